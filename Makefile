@@ -1,0 +1,34 @@
+# make demo: the main job; make test: the tests. Each sets up .venv by itself.
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+TORCH_VERSION ?= 2.13.0
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: venv build test demo bench bench-ops bench-step clean cuda-check
+
+.venv/.ready: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q ninja pybind11 pytest pytest-benchmark pytest-timeout hypothesis expecttest numpy tqdm matplotlib triton==3.6.*
+	touch $@
+
+venv: .venv/.ready
+
+build: .venv/.ready
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+
+test: build
+	$(PY) -m pytest -q tests
+
+demo: build
+	bash benchmarks/../scripts/demo.sh
+
+bench-ops: build
+	$(PY) -m pytest -q benchmarks/bench_ops.py --benchmark-only
+
+cuda-check:
+	bash .ci/cuda_check.sh
+
+clean:
+	rm -rf build *.egg-info fsdp_native/_C*.so

@@ -1,0 +1,1 @@
+"""Triton kernels of fsdp_native (installed as ``fsdp_native.kernels``)."""
