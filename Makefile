@@ -22,7 +22,10 @@ test: build
 	$(PY) -m pytest -q tests
 
 demo: build
-	bash benchmarks/../scripts/demo.sh
+	bash scripts/demo.sh
+
+bench-step: build
+	$(PY) benchmarks/bench_step.py
 
 bench-ops: build
 	$(PY) -m pytest -q benchmarks/bench_ops.py --benchmark-only

@@ -1,0 +1,419 @@
+"""Training-step time of two FSDP2 implementations on the same model, in the same run.
+
+    .venv/bin/python benchmarks/bench_step.py                      # torch vs fsdp_native
+    .venv/bin/python benchmarks/bench_step.py --impl-b torch       # torch vs torch (validates the bench)
+    .venv/bin/python benchmarks/bench_step.py --quick --configs overhead-fp32
+
+For every config (model x precision) this runs, each in its own fresh processes:
+
+1. timing: 2 ranks (CPU, gloo, OMP_NUM_THREADS=1) build the model twice from the same seed,
+   shard one copy with implementation A and one with B, and run AdamW steps with a
+   mean-square loss (output vs a random target of the same shape), alternating blocks of steps
+   (A B, then B A, ...) after a warmup. Both copies see the same inputs at the same step, so
+   their losses are compared as a sanity check. A step is zero_grad + forward + backward +
+   optimizer.step; a barrier (not timed) precedes each step and the step time is the max over
+   ranks. Medians are reported.
+2. memory: 2 ranks running only implementation A (then only B), a few steps; peak RSS per rank
+   via resource.getrusage(RUSAGE_SELF).ru_maxrss, and its growth over the RSS after importing
+   torch and the implementation + init_process_group (before the model is built).
+3. reference: the same model unsharded in one process (plain AdamW; for bf16 a bf16 compute
+   copy with fp32 master weights, the math of FSDP2 mixed precision without communication).
+
+An implementation is `torch` (torch.distributed.fsdp), `fsdp_native`, or any importable module
+exposing `fully_shard` and `MixedPrecisionPolicy`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Before torch is imported, here and in the spawned ranks (they re-import this module).
+os.environ["OMP_NUM_THREADS"] = os.environ.get("BENCH_STEP_THREADS", "1")
+
+import datetime  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.models import MODEL_CONFIGS, ModelConfig, build_model, shard_model  # noqa: E402
+
+WORLD_SIZE = 2
+CONFIG_NAMES = ["overhead-fp32", "compute-fp32", "compute-bf16"]
+ALL_CONFIG_NAMES = [f"{m}-{p}" for m in MODEL_CONFIGS for p in ("fp32", "bf16")]
+
+# (warmup steps per impl, measured steps per impl, steps per alternation block)
+SCHEDULE = {
+    "overhead": {"full": (5, 40, 2), "quick": (2, 10, 2)},
+    "compute": {"full": (2, 10, 1), "quick": (1, 3, 1)},
+}
+MEMORY_STEPS = {"full": 3, "quick": 2}
+LR = 1e-3
+SEED = 0
+
+
+# --------------------------------------------------------------------------------------------
+# helpers shared by all processes
+
+
+def split_config(name: str) -> tuple[ModelConfig, str]:
+    model, precision = name.rsplit("-", 1)
+    if model not in MODEL_CONFIGS or precision not in ("fp32", "bf16"):
+        raise ValueError(f"unknown config {name!r}; choose from {ALL_CONFIG_NAMES}")
+    return MODEL_CONFIGS[model], precision
+
+
+def load_impl(name: str):
+    """-> (fully_shard, MixedPrecisionPolicy) of an implementation."""
+    module = {"torch": "torch.distributed.fsdp"}.get(name, name)
+    mod = importlib.import_module(module)
+    return mod.fully_shard, mod.MixedPrecisionPolicy
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def make_batch(cfg: ModelConfig, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1_000_003 * (rank + 1) + step)
+    x = torch.randn(cfg.input_shape, generator=g)
+    target = torch.randn(cfg.input_shape, generator=g)
+    return x, target
+
+
+class Trainer:
+    """One sharded model + AdamW; `step()` runs one timed training step."""
+
+    def __init__(self, impl: str, cfg: ModelConfig, precision: str, rank: int):
+        fully_shard, MixedPrecisionPolicy = load_impl(impl)
+        mp_policy = None
+        if precision == "bf16":
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.model = shard_model(build_model(cfg, SEED), fully_shard, mp_policy)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.cfg, self.rank = cfg, rank
+        self.steps = 0
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, record: bool) -> None:
+        x, target = make_batch(self.cfg, self.rank, self.steps)
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        out = self.model(x)
+        loss = (out.float() - target).pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        self.losses.append(loss.item())
+        if record:
+            self.times.append(dt)
+
+
+def _init_pg(rank: int, port: int) -> None:
+    # torch FSDP2 warns on every step that the root returns a view (the output Linear on 3-D input).
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=600),
+    )
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# rank bodies (run in spawned processes)
+
+
+def _timing_rank(rank: int, port: int, config: str, impls: list[str], sched, queue) -> None:
+    cfg, precision = split_config(config)
+    _init_pg(rank, port)
+    trainers = [Trainer(impl, cfg, precision, rank) for impl in impls]
+    warmup, measured, block = sched
+    for _ in range(warmup):
+        for tr in trainers:
+            tr.step(record=False)
+    rounds = -(-measured // block)
+    for r in range(rounds):
+        order = trainers if r % 2 == 0 else trainers[::-1]
+        for tr in order:
+            for _ in range(block):
+                tr.step(record=True)
+    times = [_max_over_ranks(tr.times) for tr in trainers]
+    if rank == 0:
+        queue.put({"times": times, "losses": [tr.losses for tr in trainers]})
+    dist.destroy_process_group()
+
+
+def _memory_rank(rank: int, port: int, config: str, impl: str, steps: int, queue) -> None:
+    cfg, precision = split_config(config)
+    _init_pg(rank, port)
+    load_impl(impl)
+    baseline = rss_mib()
+    tr = Trainer(impl, cfg, precision, rank)
+    for _ in range(steps):
+        tr.step(record=True)
+    queue.put({"rank": rank, "peak": rss_mib(), "baseline": baseline})
+    dist.destroy_process_group()
+
+
+def _reference_proc(config: str, steps: tuple[int, int], queue) -> None:
+    """The same model unsharded in one process."""
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    cfg, precision = split_config(config)
+    baseline = rss_mib()
+    master = build_model(cfg, SEED)
+    opt = torch.optim.AdamW(master.parameters(), lr=LR)
+    if precision == "bf16":
+        compute = build_model(cfg, SEED).to(torch.bfloat16)
+        pairs = list(zip(master.parameters(), compute.parameters()))
+    else:
+        compute, pairs = master, []
+    warmup, measured = steps
+    times = []
+    for i in range(warmup + measured):
+        x, target = make_batch(cfg, 0, i)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p32, p16 in pairs:
+                p16.copy_(p32)
+                p16.grad = None
+        if pairs:
+            x = x.to(torch.bfloat16)
+        out = compute(x)
+        loss = (out.float() - target).pow(2).mean()
+        loss.backward()
+        for p32, p16 in pairs:
+            p32.grad = p16.grad.float()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    queue.put({"times": times, "peak": rss_mib(), "baseline": baseline})
+
+
+def _rank_entry(rank: int, port: int, fn_name: str, queue, *args) -> None:
+    try:
+        globals()[fn_name](rank, port, *args, queue)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(fn_name: str, *args, n_results: int) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(r, port, fn_name, queue, *args)) for r in range(WORLD_SIZE)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        while len(results) < n_results:
+            try:
+                results.append(queue.get(timeout=1.0))
+            except Exception:  # queue.Empty
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{fn_name}{args[:2]}: a rank failed") from None
+                if all(p.exitcode is not None for p in procs):
+                    raise RuntimeError(f"{fn_name}{args[:2]}: ranks exited without results") from None
+        for p in procs:
+            p.join()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    return results
+
+
+def _run_single(fn_name: str, *args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=globals()[fn_name], args=(*args, queue))
+    p.start()
+    try:
+        result = queue.get(timeout=3600)
+    finally:
+        p.join()
+    return result
+
+
+def _median_ms(xs: list[float]) -> float:
+    return 1e3 * statistics.median(xs)
+
+
+def _iqr_ms(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return (1e3 * xs[0],) * 2
+    q = statistics.quantiles(xs, n=4)
+    return 1e3 * q[0], 1e3 * q[2]
+
+
+def run_config(config: str, args) -> dict:
+    cfg, _ = split_config(config)
+    mode = "quick" if args.quick else "full"
+    sched = SCHEDULE[cfg.name][mode]
+    impls = [args.impl_a, args.impl_b]
+    res: dict = {"config": config, "impls": impls, "schedule": sched}
+
+    t0 = time.time()
+    (timing,) = _run_ranks("_timing_rank", config, impls, sched, n_results=1)
+    res["times"] = timing["times"]
+    la, lb = timing["losses"]
+    res["loss_first_last"] = [(ls[0], ls[-1]) for ls in timing["losses"]]
+    res["max_rel_loss_diff"] = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(la, lb))
+    print(f"  [{config}] timing done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    if not args.no_memory:
+        res["memory"] = []
+        for impl in impls:
+            ranks = _run_ranks("_memory_rank", config, impl, MEMORY_STEPS[mode], n_results=WORLD_SIZE)
+            res["memory"].append(sorted(ranks, key=lambda d: d["rank"]))
+        print(f"  [{config}] memory done", file=sys.stderr, flush=True)
+
+    if not args.no_reference:
+        warmup, measured, _ = sched
+        res["reference"] = _run_single("_reference_proc", config, (warmup, measured))
+        print(f"  [{config}] reference done", file=sys.stderr, flush=True)
+    return res
+
+
+def _label(impls: list[str], i: int) -> str:
+    if impls[0] == impls[1]:
+        return f"{impls[i]} ({'AB'[i]})"
+    return impls[i]
+
+
+def format_table(results: list[dict]) -> str:
+    impls = results[0]["impls"]
+    a, b = _label(impls, 0), _label(impls, 1)
+    head = [
+        "model",
+        "precision",
+        f"{a} ms/step",
+        f"{b} ms/step",
+        f"ratio {b}/{a}",
+        "unsharded 1-proc ms/step",
+        f"{a} peak RSS/rank MiB",
+        f"{b} peak RSS/rank MiB",
+        "max rel. loss diff",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        model, precision = r["config"].rsplit("-", 1)
+        ta, tb = r["times"]
+        cells = [model, precision]
+        for t in (ta, tb):
+            lo, hi = _iqr_ms(t)
+            cells.append(f"{_median_ms(t):.0f} ({lo:.0f}-{hi:.0f})")
+        cells.append(f"**{statistics.median(tb) / statistics.median(ta):.2f}**")
+        ref = r.get("reference")
+        cells.append(f"{_median_ms(ref['times']):.0f}" if ref else "-")
+        for mem in r.get("memory", [None, None]):
+            if mem is None:
+                cells.append("-")
+            else:
+                peaks = " / ".join(f"{d['peak']:.0f}" for d in mem)
+                growth = " / ".join(f"+{d['peak'] - d['baseline']:.0f}" for d in mem)
+                cells.append(f"{peaks} ({growth})")
+        cells.append(f"{r['max_rel_loss_diff']:.1e}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def describe_run(results: list[dict], argv: list[str]) -> str:
+    sched = ", ".join(
+        f"{r['config']}: {r['schedule'][0]} warmup + {r['schedule'][1]} measured steps/impl "
+        f"in blocks of {r['schedule'][2]}"
+        for r in results
+    )
+    return (
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), torch {torch.__version__}, "
+        f"Python {platform.python_version()}; {WORLD_SIZE} ranks, gloo, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}.\n"
+        f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/bench_step.py', *argv])}`\n"
+        f"Schedule: {sched}.\n"
+        "Cells: median step time (interquartile range) over the measured steps, max over ranks; "
+        "peak RSS per rank r0 / r1 (growth over the RSS after importing torch and the implementation + init_process_group), "
+        "each implementation in its own processes."
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl-a", default="torch", help="baseline implementation (default: torch)")
+    p.add_argument("--impl-b", default="fsdp_native", help="implementation under test (default: fsdp_native)")
+    p.add_argument("--configs", nargs="+", default=CONFIG_NAMES, choices=ALL_CONFIG_NAMES)
+    p.add_argument("--quick", action="store_true", help="fewer steps")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-implementation RSS runs")
+    p.add_argument("--no-reference", action="store_true", help="skip the unsharded single-process reference")
+    p.add_argument("--json", help="also write the raw results (all step times) to this file")
+    args = p.parse_args(argv)
+
+    for impl in {args.impl_a, args.impl_b}:
+        load_impl(impl)  # fail early, in the launcher
+
+    results = []
+    for config in args.configs:
+        print(f"running {config}: {args.impl_a} vs {args.impl_b}", file=sys.stderr, flush=True)
+        results.append(run_config(config, args))
+
+    print(describe_run(results, argv))
+    print()
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": argv, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
