@@ -4,5 +4,26 @@ from fsdp_native._load import load_extension as _load_extension
 _C = _load_extension()
 
 from fsdp_native import ops  # noqa: E402
+from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
+from fsdp_native._fully_shard import (  # noqa: E402
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from fsdp_native._stats import UnitStats, UnshardedStats, reset_unsharded_peak, unsharded_stats  # noqa: E402
 
-__all__ = ["ops"]
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnitStats",
+    "UnshardHandle",
+    "UnshardedStats",
+    "fully_shard",
+    "ops",
+    "register_fsdp_forward_method",
+    "reset_unsharded_peak",
+    "unsharded_stats",
+]

@@ -1,0 +1,70 @@
+"""Configuration objects of fully_shard. Torch's own policy objects are accepted as well."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Mixed precision of a unit's all-gather, compute and gradient reduction.
+
+    Attributes:
+        param_dtype: dtype of the unsharded parameters used in forward and backward, and of the
+            all-gather. ``None`` keeps the original dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter (and HSDP all-reduce). ``None``
+            uses ``param_dtype`` (or the original dtype).
+        output_dtype: dtype the module's floating-point outputs are cast to. ``None`` leaves them.
+        cast_forward_inputs: whether floating-point forward inputs are cast to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass
+class OffloadPolicy:
+    """The default: no offloading. Sharded parameters and gradients live on the mesh's device."""
+
+
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Sharded parameters and gradients live on CPU; the optimizer steps there. Each unit's
+    parameters are copied to the device for its all-gather, gradients copied back after the
+    reduce-scatter.
+
+    Attributes:
+        pin_memory: pin the CPU copies (CUDA only) so host-device copies can overlap compute.
+    """
+
+    pin_memory: bool = True
+
+
+def normalize_mp_policy(policy) -> MixedPrecisionPolicy:
+    """Accepts fsdp_native's or torch's MixedPrecisionPolicy (same fields)."""
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if not all(hasattr(policy, f) for f in fields):
+        raise TypeError(
+            f"fully_shard: argument 'mp_policy' is a {type(policy).__name__}, expected a MixedPrecisionPolicy"
+        )
+    values = {f: getattr(policy, f) for f in fields}
+    for f in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = values[f]
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"fully_shard: argument 'mp_policy.{f}' is {dtype}, expected a floating dtype or None")
+    return MixedPrecisionPolicy(**values)
+
+
+def normalize_offload_policy(policy) -> CPUOffloadPolicy | None:
+    """Returns the CPU offload policy, or None for no offloading; rejects anything else."""
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPU, OffloadPolicy as TorchOffload
+
+    if isinstance(policy, (CPUOffloadPolicy, TorchCPU)):
+        return CPUOffloadPolicy(pin_memory=bool(policy.pin_memory))
+    if type(policy) in (OffloadPolicy, TorchOffload):
+        return None
+    raise TypeError(
+        f"fully_shard: argument 'offload_policy' is a {type(policy).__name__}, expected "
+        "OffloadPolicy() or CPUOffloadPolicy()"
+    )

@@ -1,0 +1,399 @@
+"""fully_shard and FSDPModule: the public runtime surface."""
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_native._api import MixedPrecisionPolicy, OffloadPolicy, normalize_mp_policy, normalize_offload_policy
+from fsdp_native._mesh import default_mesh, mesh_info, post_forward_group
+from fsdp_native._state import lazy_init, post_forward, pre_forward
+from fsdp_native._unit import Unit
+
+_CLS_CACHE: dict[type, type] = {}
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+):
+    """Shards ``module``'s parameters (those not already in a unit below it) over ``mesh`` as
+    one unit: all-gathered before its forward and backward, gradients reduce-scattered after
+    backward. Same contract as ``torch.distributed.fsdp.fully_shard``; call it bottom-up.
+
+    Args:
+        module: the module, or a list of modules sharing one unit.
+        mesh: a 1-D mesh (FSDP) or 2-D mesh (HSDP, dims ``(replicate, shard)``); default: the
+            whole world on the default device type.
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward and
+            all-gathers again in backward; ``False`` keeps them; an ``int`` reshards to that
+            many ranks; ``None`` is ``True`` except for the root, which is ``False``.
+        shard_placement_fn: must return ``None`` or ``Shard(0)`` (other dims not supported).
+        mp_policy: mixed precision (fsdp_native's or torch's ``MixedPrecisionPolicy``).
+        offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()`` (fsdp_native's or torch's).
+        ignored_params: parameters left unsharded and unreduced.
+
+    Returns:
+        The module, now also an instance of :class:`FSDPModule`.
+    """
+    modules = module if isinstance(module, list) else [module]
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard: argument 'module' is a {type(m).__name__}, expected an nn.Module or a list of them")
+    if isinstance(module, list) and not module:
+        raise ValueError("fully_shard: argument 'module' is an empty list, expected at least one module")
+    mp = normalize_mp_policy(mp_policy)
+    offload = normalize_offload_policy(offload_policy)
+    if not isinstance(reshard_after_forward, (bool, int, type(None))):
+        raise TypeError(
+            f"fully_shard: argument 'reshard_after_forward' is a {type(reshard_after_forward).__name__}, expected a bool, an int or None"
+        )
+    mesh = mesh if mesh is not None else default_mesh()
+    info = mesh_info(mesh)
+    if offload is not None and offload.pin_memory and info.device.type != "cpu" and not torch.cuda.is_available():
+        raise ValueError("fully_shard: argument 'offload_policy' asks for pinned memory, expected a CUDA device for it")
+    raf, post = _reshard_after_forward(reshard_after_forward, info)
+
+    for m in modules:
+        existing = getattr(m, "_fsdp_native_unit", None)
+        if existing is not None:
+            _check_same_settings(m, existing, info, mp, offload, raf)
+            return module
+    ignored = set(ignored_params or ())
+    params, owners = _collect_params(modules, ignored)
+    for p, owner in zip(params, owners):
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(p)
+            if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0):
+                raise NotImplementedError(
+                    f"fully_shard: shard_placement_fn returned {placement} for '{owner[0][1]}', expected None or Shard(0)"
+                )
+    _check_devices(params, owners, info)
+    _check_shapes_across_ranks(params, owners, info)
+    params = [_to_device(p, info.device) for p in params]
+    unit = Unit(modules, params, owners, info, mp, offload, raf, post)
+    for m in modules:
+        m._fsdp_native_unit = unit
+        m.register_forward_pre_hook(functools.partial(_pre_hook, unit), prepend=True, with_kwargs=True)
+        m.register_forward_hook(functools.partial(_post_hook, unit), prepend=False)
+        cls = type(m)
+        if not isinstance(m, FSDPModule):
+            new_cls = _CLS_CACHE.get(cls)
+            if new_cls is None:
+                new_cls = _CLS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_orig_cls_mro_index": 3})
+            m.__class__ = new_cls
+    return module
+
+
+def _pre_hook(unit, module, args, kwargs):
+    return pre_forward(unit, module, args, kwargs)
+
+
+def _post_hook(unit, module, args, output):
+    return post_forward(unit, module, args, output)
+
+
+def _reshard_after_forward(value, info) -> tuple[bool | None, tuple | None]:
+    if value is None or isinstance(value, bool):
+        return value, None
+    size = info.shard_size
+    if value < 1 or value > size or size % value:
+        raise ValueError(f"fully_shard: argument 'reshard_after_forward' is {value}, expected a bool or a factor of the shard group size {size}")
+    if value == 1:
+        return False, None
+    if value == size:
+        return True, None
+    group, index = post_forward_group(info, value)
+    return True, (group, value, index)
+
+
+def _check_same_settings(module, unit, info, mp, offload, raf) -> None:
+    diffs = []
+    if unit.info.mesh != info.mesh:
+        diffs.append("mesh")
+    if unit.mp != mp:
+        diffs.append(f"mp_policy (sharded with {unit.mp}, got {mp})")
+    if (unit.offload is None) != (offload is None):
+        diffs.append("offload_policy")
+    if raf is not None and unit.reshard_after_forward != raf:
+        diffs.append(f"reshard_after_forward (sharded with {unit.reshard_after_forward}, got {raf})")
+    if diffs:
+        raise ValueError(
+            f"fully_shard: module {type(module).__name__} is already sharded with different settings: {', '.join(diffs)}"
+        )
+
+
+def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]]]:
+    """Parameters of `modules` not already in a unit below them, with every (module, name)
+    that holds each (tied parameters have several)."""
+    taken: set[int] = set()
+    for m in modules:
+        for sub in m.modules():
+            unit = getattr(sub, "_fsdp_native_unit", None)
+            if unit is not None and sub not in modules:
+                taken.update(id(p) for p in unit.sharded_params)
+    params, owners, index = [], [], {}
+    for m in modules:
+        for sub in m.modules():
+            for name, p in sub._parameters.items():
+                if p is None or id(p) in taken or p in ignored:
+                    continue
+                if isinstance(p, DTensor) and getattr(sub, "_fsdp_native_unit", None) is not None:
+                    continue
+                if id(p) in index:
+                    owners[index[id(p)]].append((sub, name))
+                    continue
+                index[id(p)] = len(params)
+                params.append(p)
+                owners.append([(sub, name)])
+    return params, owners
+
+
+def _check_devices(params, owners, info) -> None:
+    devices = {p.device.type for p in params}
+    if len(devices) > 1:
+        where = {p.device.type: owner[0][1] for p, owner in zip(params, owners)}
+        detail = ", ".join(f"'{n}' on {d}" for d, n in sorted(where.items()))
+        raise ValueError(f"fully_shard: argument 'module' has parameters on mixed devices ({detail}), expected one device")
+    for p in params:
+        if p.device.type not in ("meta", "cpu", info.device.type):
+            raise ValueError(f"fully_shard: parameter on device {p.device}, expected {info.device}, cpu or meta")
+
+
+def _to_device(p: nn.Parameter, device: torch.device) -> nn.Parameter:
+    if p.is_meta or p.device == device:
+        return p
+    return nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+
+
+def _signature(params) -> list[int]:
+    text = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    return [len(params), sum(p.numel() for p in params), zlib.crc32(text.encode())]
+
+
+def _check_shapes_across_ranks(params, owners, info) -> None:
+    """One small all-gather of shape metadata per group; every rank raises on a mismatch."""
+    mine = torch.tensor(_signature(params), dtype=torch.int64)
+    for group in (info.shard_group, info.replicate_group):
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        table = torch.empty(dist.get_world_size(group) * 3, dtype=torch.int64)
+        device = info.device
+        if device.type != "cpu":
+            t, out = mine.to(device), table.to(device)
+            dist.all_gather_into_tensor(out, t, group=group)
+            table = out.cpu()
+        else:
+            dist.all_gather_into_tensor(table, mine, group=group)
+        table = table.view(-1, 3)
+        if not bool((table == mine).all()):
+            ranks = dist.get_process_group_ranks(group)
+            rows = ", ".join(f"rank {r}: {n} parameters, {numel} elements" for r, (n, numel, _) in zip(ranks, table.tolist()))
+            raise ValueError(
+                "fully_shard: argument 'module' has parameter shapes that differ across ranks "
+                f"({rows}); expected the same parameters on every rank of the mesh"
+            )
+
+
+class UnshardHandle:
+    """Handle of an asynchronous :meth:`FSDPModule.unshard`; ``wait()`` makes the unsharded
+    parameters usable and registers them."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        self._units = units
+
+    def wait(self) -> None:
+        for u in self._units:
+            u.wait_all_gather()
+        self._units = []
+
+
+def _units_below(module: nn.Module) -> list[Unit]:
+    units = []
+    for sub in module.modules():
+        u = getattr(sub, "_fsdp_native_unit", None)
+        if u is not None and u not in units:
+            units.append(u)
+    return units
+
+
+class FSDPModule(_TorchFSDPModule):
+    """Mixin of every module sharded by :func:`fully_shard`; also an instance of torch's
+    ``FSDPModule`` so code that checks for FSDP2 modules recognises it."""
+
+    _orig_cls_mro_index = 3
+
+    @property
+    def _unit(self) -> Unit:
+        return self._fsdp_native_unit
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gathers this unit's parameters; with ``async_op`` returns a handle to wait on."""
+        unit = self._unit
+        if unit.ctx is None:
+            lazy_init(self)
+        unit.issue_all_gather()
+        handle = UnshardHandle([unit])
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Frees this unit's unsharded parameters and registers the sharded ones."""
+        self._unit.reshard()
+
+    def _targets(self, recurse: bool) -> list[Unit]:
+        return _units_below(self) if recurse else [self._unit]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for compatibility; every backward ends with all reductions completed."""
+        self._is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Off: gradients accumulate unsharded and unreduced (micro-batches); on: reduce."""
+        for u in self._targets(recurse):
+            u.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: off keeps reduce-scattered gradients partial until an all-reducing backward."""
+        for u in self._targets(recurse):
+            u.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward: argument 'reshard_after_forward' is {reshard_after_forward!r}, expected a bool")
+        for u in self._targets(recurse):
+            u.reshard_after_forward = reshard_after_forward
+            u.auto_reshard = False
+            u.post_forward = None
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for u in self._targets(recurse):
+            u.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Explicit forward prefetch: all-gather these modules' units right after this one's."""
+        self._unit.forward_prefetch = [_require_fsdp(m, "modules")._unit for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Explicit backward prefetch: all-gather these modules' units in this one's pre-backward."""
+        self._unit.backward_prefetch = [_require_fsdp(m, "modules")._unit for m in modules]
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next all-gather of this unit waits on ``event`` (recorded after optimizer.step)."""
+        self._unit.post_optim_event = event
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Gradients are divided by ``factor`` instead of the data-parallel world size."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: argument 'factor' is {factor}, expected a positive number")
+        for u in _units_below(self):
+            u.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this unit's parameters are not all-gathered in backward (their backward does
+        not need them, e.g. an embedding)."""
+        self._unit.unshard_in_backward = unshard_in_backward
+
+    def reset_iter_state(self) -> None:
+        """Recovers after a forward or backward raised: drops in-flight collectives' results."""
+        for u in _units_below(self):
+            u.release_pending()
+            u.pending_rs = None
+            u.needs_post_backward = False
+            u.reshard()
+        ctx = self._unit.ctx
+        if ctx is not None:
+            ctx.in_backward = False
+            ctx.callback_queued = False
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        unit = self._unit
+        unit.reshard()
+        ret = super()._apply(*args, **kwargs)
+        unit.readopt()
+        return ret
+
+    def __deepcopy__(self, memo):
+        raise AssertionError("fsdp_native: FSDP modules do not support deepcopy; use the state dict")
+
+    def _not_implemented(self, name: str):
+        raise NotImplementedError(f"fsdp_native: FSDPModule.{name} is not implemented")
+
+    def set_custom_all_gather(self, comm) -> None:
+        self._not_implemented("set_custom_all_gather")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        self._not_implemented("set_custom_reduce_scatter")
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        self._not_implemented("set_all_reduce_hook")
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        self._not_implemented("set_force_sum_reduction_for_comms")
+
+    def set_reduce_scatter_unused_params(self, *args, **kwargs) -> None:
+        self._not_implemented("set_reduce_scatter_unused_params")
+
+    def set_reduce_scatter_max_input_buffers(self, *args, **kwargs) -> None:
+        self._not_implemented("set_reduce_scatter_max_input_buffers")
+
+    def set_separate_reduce_scatter_group(self, *args, **kwargs) -> None:
+        self._not_implemented("set_separate_reduce_scatter_group")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        self._not_implemented("set_allocate_memory_from_process_group_for_comm")
+
+    def set_symm_mem_for_comm(self, *args, **kwargs) -> None:
+        self._not_implemented("set_symm_mem_for_comm")
+
+    def _set_unshard_async_op(self, async_op: bool):
+        self._not_implemented("_set_unshard_async_op")
+
+    def _get_fsdp_state(self):
+        self._not_implemented("_get_fsdp_state")
+
+
+def _require_fsdp(m, arg: str) -> FSDPModule:
+    if not isinstance(m, FSDPModule):
+        raise TypeError(f"argument '{arg}' holds a {type(m).__name__}, expected modules sharded by fsdp_native.fully_shard")
+    return m
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Makes ``module.<method_name>`` run the unit's forward hooks (e.g. ``generate``)."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
+    orig = getattr(module, method_name).__func__
+    unit = module._unit
+
+    @functools.wraps(orig)
+    def wrapped(self, *args, **kwargs):
+        new = pre_forward(unit, self, args, kwargs)
+        if new is not None:
+            args, kwargs = new
+        out = orig(self, *args, **kwargs)
+        res = post_forward(unit, self, args, out)
+        return out if res is None else res
+
+    setattr(module, method_name, wrapped.__get__(module))

@@ -1,0 +1,186 @@
+"""Hooks and the per-root context: lazy init, prefetch order, end-of-backward work."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from fsdp_native._unit import Accounting, Unit
+
+
+class RootContext:
+    """Shared by every unit under one root module for the duration of training."""
+
+    def __init__(self, root: nn.Module, units: list[Unit]) -> None:
+        self.root = root
+        self.units = units
+        self.acct = Accounting()
+        self.in_backward = False
+        self.callback_queued = False
+        self.forward_order: list[Unit] = []
+        self.next_forward: dict[Unit, Unit] = {}
+        self.prev_forward: dict[Unit, Unit] = {}
+        self._set_order(units)
+        for u in units:
+            u.ctx = self
+            u.pre_backward_hook = lambda grad, u=u: pre_backward(u)
+            u.total_acct = self.acct
+            self.acct.current += u.acct.current
+        self.acct.peak = max(self.acct.current, max((u.acct.peak for u in units), default=0))
+
+    def _set_order(self, order: list[Unit]) -> None:
+        seen: list[Unit] = []
+        for u in order:
+            if u not in seen:
+                seen.append(u)
+        self.next_forward = {a: b for a, b in zip(seen, seen[1:])}
+        self.prev_forward = {b: a for a, b in zip(seen, seen[1:])}
+
+    def begin_forward(self) -> None:
+        self.forward_order = []
+        for u in self.units:
+            u.check_registered()
+
+    def end_forward(self) -> None:
+        if self.forward_order:
+            self._set_order(self.forward_order)
+        for u in self.units:
+            if not u.is_unsharded or u.reshard_after_forward:
+                u.release_pending()
+
+    def begin_backward(self) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.end_backward)
+
+    def end_backward(self) -> None:
+        """Runs once autograd finished: post-backward for units autograd did not reach through
+        their inputs (the root, most often), then every pending reduction completes."""
+        self.callback_queued = False
+        order = self.forward_order or self.units
+        done: set[Unit] = set()
+        for u in reversed(order):
+            if u not in done:
+                done.add(u)
+                u.post_backward()
+        for u in self.units:
+            u.post_backward()
+            u.finish_reduce()
+            u.release_pending()
+            if u.reshard_after_backward:
+                u.reshard()
+        self.in_backward = False
+
+    def finish_reduces_before(self, unit: Unit) -> None:
+        """Bounds reduce-scatters in flight: completes every other unit's before `unit` issues."""
+        for u in self.units:
+            if u is not unit and u.pending_rs is not None:
+                u.finish_reduce()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs whose backward marks the unit's gradients done."""
+
+    @staticmethod
+    def forward(ctx, unit: Unit, *inputs: torch.Tensor):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        unit: Unit = ctx.unit
+        unit.ctx.finish_reduces_before(unit)
+        unit.post_backward()
+        return (None, *grads)
+
+
+def _cast_floats(tree, dtype: torch.dtype):
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t, tree)
+
+
+def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
+    ctx: RootContext | None = unit.ctx
+    if ctx is None:
+        ctx = lazy_init(module)
+    if ctx.in_backward:  # activation-checkpoint recompute: parameters only need to be there
+        unit.unshard()
+        return None
+    if ctx.root is module:
+        ctx.begin_forward()
+    ctx.forward_order.append(unit)
+    unit.unshard()
+    prefetch = unit.forward_prefetch
+    if prefetch is None:
+        nxt = ctx.next_forward.get(unit)
+        prefetch = (nxt,) if nxt is not None and nxt.reshard_after_forward else ()
+    for other in prefetch:
+        other.issue_all_gather()
+    mp = unit.mp
+    if mp.cast_forward_inputs and mp.param_dtype is not None:
+        args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+    if torch.is_grad_enabled():
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if idx:
+            outs = _PostBackward.apply(unit, *[flat[i] for i in idx])
+            for i, t in zip(idx, outs):
+                flat[i] = t
+            args, kwargs = tree_unflatten(flat, spec)
+    return args, kwargs
+
+
+def post_forward(unit: Unit, module: nn.Module, args, output):
+    ctx: RootContext = unit.ctx
+    if ctx.in_backward:
+        return None
+    if unit.reshard_after_forward:
+        unit.reshard(after_forward=True)
+    if unit.mp.output_dtype is not None:
+        output = _cast_floats(output, unit.mp.output_dtype)
+    if torch.is_grad_enabled():
+        hook = unit.pre_backward_hook
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
+    if ctx.root is module:
+        ctx.end_forward()
+    return output
+
+
+def pre_backward(unit: Unit) -> None:
+    ctx: RootContext = unit.ctx
+    ctx.begin_backward()
+    unit.needs_post_backward = True
+    if unit.unshard_in_backward:
+        unit.unshard()
+    prefetch = unit.backward_prefetch
+    if prefetch is None:
+        prev = ctx.prev_forward.get(unit)
+        prefetch = (prev,) if prev is not None and not prev.is_unsharded else ()
+    for other in prefetch:
+        if other.unshard_in_backward:
+            other.issue_all_gather()
+
+
+def lazy_init(module: nn.Module) -> RootContext:
+    """The first forward of an unsharded-context unit makes its module the root of every unit
+    below it, as FSDP2 does."""
+    units: list[Unit] = []
+    for name, sub in module.named_modules():
+        unit = getattr(sub, "_fsdp_native_unit", None)
+        if unit is not None and unit not in units:
+            if unit.ctx is not None:
+                raise RuntimeError(
+                    f"fully_shard: module '{name}' already belongs to the root of another forward; "
+                    "run the root module's forward first"
+                )
+            unit.fqn = name
+            units.append(unit)
+    root_unit = module._fsdp_native_unit
+    if root_unit.auto_reshard:
+        root_unit.reshard_after_forward = False
+    return RootContext(module, units)

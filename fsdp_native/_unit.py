@@ -1,0 +1,461 @@
+"""One unit: the parameters of one fully_shard call, all-gathered in one collective and
+reduce-scattered in one.
+
+Memory layout. The sharded parameters of a unit are views into one flat buffer of
+``sum(padded_numels)`` elements (each parameter's rank-local dim-0 shard, zero padded to its
+padded shard size), so with no dtype cast that buffer *is* the all-gather input. The unsharded
+parameters are views into one flat buffer whose storage is freed (``resize_(0)``) on reshard
+and re-allocated on unshard, so autograd's references to them stay valid. The reduce-scatter
+output, when it needs no cast, is the flat sharded-gradient buffer itself and the sharded
+gradients are views into it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_native import ops
+from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy
+from fsdp_native._mesh import MeshInfo
+
+_ReduceOp = dist.ReduceOp
+
+
+class Accounting:
+    """Bytes of unsharded parameters (and all-gather buffers in flight) of a set of units."""
+
+    __slots__ = ("current", "peak")
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+
+
+class Unit:
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        params: list[nn.Parameter],
+        owners: list[list[tuple[nn.Module, str]]],
+        info: MeshInfo,
+        mp: MixedPrecisionPolicy,
+        offload: CPUOffloadPolicy | None,
+        reshard_after_forward: bool | None,
+        post_forward: tuple[dist.ProcessGroup, int, int] | None,
+    ) -> None:
+        self.modules = modules
+        self.owners = owners
+        self.info = info
+        self.mp = mp
+        self.offload = offload
+        self.auto_reshard = reshard_after_forward is None
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.post_forward = post_forward  # (group, size, index) for an int reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.unshard_in_backward = True
+        self.divide_factor: float | None = None
+        self.fqn = ""
+        self.ctx = None  # the root context, set at lazy init
+        self.acct = Accounting()
+        self.total_acct: Accounting | None = None
+        self.forward_prefetch: list[Unit] | None = None
+        self.backward_prefetch: list[Unit] | None = None
+        self.post_optim_event = None
+
+        ws, rank = info.shard_size, info.shard_rank
+        self.world_size, self.rank = ws, rank
+        self.shapes = [p.shape for p in params]
+        for p, owner in zip(params, owners):
+            if p.dim() == 0:
+                mod, name = owner[0]
+                raise ValueError(f"fully_shard: parameter '{name}' of {type(mod).__name__} is 0-dimensional, expected at least 1 dimension to shard")
+        self.numels = [p.numel() for p in params]
+        self.padded = [ops.padded_shard_numel(s, ws) for s in self.shapes]
+        self.total_padded = sum(self.padded)
+        self.total_numel = sum(self.numels)
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise NotImplementedError(
+                f"fully_shard: parameters of one unit have dtypes {sorted(map(str, dtypes))}, expected one dtype per unit"
+            )
+        self.orig_dtype = params[0].dtype if params else torch.float32
+        self.param_dtype = mp.param_dtype or self.orig_dtype
+        self.reduce_dtype = mp.reduce_dtype or self.param_dtype
+        self.requires_grad = [p.requires_grad for p in params]
+        self.device = info.device
+        self.shard_device = torch.device("cpu") if offload is not None else info.device
+        self._shard(params)
+        # Views and per-parameter registration slots, built once.
+        self._slots = [(mod._parameters, name) for owner in owners for (mod, name) in owner]
+        self._slot_index = [i for i, owner in enumerate(owners) for _ in owner]
+        self.unsharded_flat: torch.Tensor | None = None
+        self.unsharded_params: list[nn.Parameter] = []
+        self.is_unsharded = False
+        self.pending_ag = None  # (work, all-gather output) of an issued all-gather
+        self.pending_rs = None
+        self.partial_reduce: torch.Tensor | None = None
+        self.needs_post_backward = False
+        self._pf_shard: torch.Tensor | None = None
+        self._pf_shard_in_flight: torch.Tensor | None = None
+        self._pf_keep: torch.Tensor | None = None
+        self._grad_flat: torch.Tensor | None = None
+        self._grad_dtensors: list[DTensor] | None = None
+
+    # ----------------------------------------------------------------- sharding
+    def _local_rows(self, shape: torch.Size) -> int:
+        rows = -(-shape[0] // self.world_size)
+        return max(0, min(rows, shape[0] - self.rank * rows))
+
+    def _shard(self, params: list[nn.Parameter]) -> None:
+        device = params[0].device if params and params[0].is_meta else self.shard_device
+        flat = torch.zeros(self.total_padded, dtype=self.orig_dtype, device=device)
+        self.sharded_flat = flat
+        self.shard_views = self._views(flat)
+        self.sharded_params = []
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                view = self.shard_views[i]
+                if not p.is_meta and view.numel():
+                    start = self.rank * self.padded[i]
+                    view.copy_(p.detach().reshape(-1)[start : start + view.numel()].view_as(view))
+                dt = DTensor.from_local(
+                    view, self.info.mesh, self.info.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+                sp = nn.Parameter(dt, requires_grad=p.requires_grad)
+                self.sharded_params.append(sp)
+                for mod, name in self.owners[i]:
+                    mod._parameters[name] = sp
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's shard of every parameter, as views into a flat padded buffer."""
+        views, offset = [], 0
+        for shape, padded in zip(self.shapes, self.padded):
+            rows = self._local_rows(shape)
+            views.append(flat[offset : offset + rows * math.prod(shape[1:])].view((rows, *shape[1:])))
+            offset += padded
+        return views
+
+    def readopt(self) -> None:
+        """Re-adopts the registered sharded parameters after ``_apply`` / ``to_empty`` /
+        ``load_state_dict(assign=True)`` replaced their tensors, re-packing them into a flat buffer."""
+        params = []
+        for i, owner in enumerate(self.owners):
+            mod, name = owner[0]
+            params.append(mod._parameters[name])
+        locals_ = [p._local_tensor for p in params]
+        same = all(l is v for l, v in zip(locals_, self.shard_views)) and all(
+            p is sp for p, sp in zip(params, self.sharded_params)
+        )
+        if same:
+            return
+        device = locals_[0].device if locals_ else self.shard_device
+        if not device.type == "meta" and self.offload is not None:
+            device = torch.device("cpu")
+        flat = torch.zeros(self.total_padded, dtype=self.orig_dtype, device=device)
+        views = self._views(flat)
+        with torch.no_grad():
+            for p, loc, view in zip(params, locals_, views):
+                if not loc.is_meta and view.numel():
+                    view.copy_(loc.reshape(view.shape))
+                p._local_tensor = view
+        self.sharded_flat, self.shard_views, self.sharded_params = flat, views, params
+        for i, owner in enumerate(self.owners):
+            for mod, name in owner:
+                mod._parameters[name] = params[i]
+        self._grad_flat = None
+        self._grad_dtensors = None
+        if self.unsharded_flat is not None and self.unsharded_flat.device != self.device and device.type != "meta":
+            self.unsharded_flat = None
+            self.unsharded_params = []
+
+    def check_registered(self) -> None:
+        """Cheap per-step check that nobody swapped the sharded parameters behind our back."""
+        for (params, name), i in zip(self._slots, self._slot_index):
+            p = params[name]
+            if p is not self.sharded_params[i] or p._local_tensor is not self.shard_views[i]:
+                if self.is_unsharded and p is self.unsharded_params[i]:
+                    continue
+                self.readopt()
+                return
+
+    # ---------------------------------------------------------------- unsharding
+    def _ensure_unsharded_params(self) -> None:
+        if self.unsharded_flat is not None:
+            return
+        flat = torch.empty(self.total_numel, dtype=self.param_dtype, device=self.device)
+        self.unsharded_flat = flat
+        params, plain, offset = [], [], 0
+        for shape, numel, rg in zip(self.shapes, self.numels, self.requires_grad):
+            plain.append(flat[offset : offset + numel])
+            params.append(nn.Parameter(plain[-1].view(shape), requires_grad=rg))
+            offset += numel
+        self.unsharded_params = params
+        self._unsharded_plain = plain  # plain views the copy-out writes (no autograd on them)
+        flat.untyped_storage().resize_(0)  # views made; memory comes with the first unshard
+
+    def _alloc_unsharded(self) -> int:
+        """Allocates the unsharded storage; returns the bytes newly allocated."""
+        self._ensure_unsharded_params()
+        storage = self.unsharded_flat.untyped_storage()
+        nbytes = self.total_numel * self.unsharded_flat.element_size()
+        if storage.nbytes() == 0 and nbytes:
+            storage.resize_(nbytes)
+            return nbytes
+        return 0
+
+    def _free_unsharded(self) -> None:
+        if self.unsharded_flat is None:
+            return
+        storage = self.unsharded_flat.untyped_storage()
+        if storage.nbytes():
+            self._account(-storage.nbytes())
+            storage.resize_(0)
+
+    def _account(self, nbytes: int) -> None:
+        self.acct.add(nbytes)
+        if self.total_acct is not None:
+            self.total_acct.add(nbytes)
+
+    def issue_all_gather(self) -> None:
+        """Starts this unit's all-gather (asynchronously) unless it is unsharded or in flight."""
+        if self.is_unsharded or self.pending_ag is not None:
+            return
+        ws, S = self.world_size, self.total_padded
+        if self._pf_shard is not None:
+            group, size, _ = self.post_forward
+            out = torch.empty(ws * S, dtype=self.param_dtype, device=self.device)
+            work = dist.all_gather_into_tensor(out, self._pf_shard, group=group, async_op=True)
+            self._pf_shard_in_flight = self._pf_shard
+            self._pf_shard = None
+            self._account(out.numel() * out.element_size())
+            self.pending_ag = (work, out)
+            return
+        if self.post_optim_event is not None:
+            torch.get_device_module(self.device.type).current_stream().wait_event(self.post_optim_event)
+            self.post_optim_event = None
+        out = torch.empty(ws * S, dtype=self.param_dtype, device=self.device)
+        self._account(out.numel() * out.element_size())
+        if self.param_dtype == self.orig_dtype and self.shard_device == self.device:
+            inp = self.sharded_flat  # padding is kept zero: the flat shard is the input as is
+        elif self.shard_device != self.device:
+            staged = self.sharded_flat.to(self.device, non_blocking=True)
+            inp = out.narrow(0, self.rank * S, S)
+            ops.all_gather_copy_in([staged], [S], inp)
+        else:
+            inp = out.narrow(0, self.rank * S, S)
+            ops.all_gather_copy_in(self.shard_views, self.padded, inp)
+        if ws == 1:
+            if inp is not out:
+                out.copy_(inp)
+            work = None
+        else:
+            work = dist.all_gather_into_tensor(out, inp, group=self.info.shard_group, async_op=True)
+        self.pending_ag = (work, out)
+
+    def wait_all_gather(self) -> None:
+        """Finishes an issued all-gather: copy-out into the unsharded parameters, which are then
+        registered on the modules."""
+        if self.pending_ag is None:
+            return
+        work, out = self.pending_ag
+        self.pending_ag = None
+        if work is not None:
+            work.wait()
+        self._pf_shard_in_flight = None
+        allocated = self._alloc_unsharded()
+        ops.all_gather_copy_out(out, self.padded, self.world_size, self._unsharded_plain)
+        if self.post_forward is not None:
+            _, size, index = self.post_forward
+            per = self.world_size // size * self.total_padded
+            self._pf_keep = out.narrow(0, index * per, per)
+        # The unit counts as its all-gather buffer while in flight, then as its parameters.
+        self._account(allocated - out.numel() * out.element_size())
+        del out
+        self._to_unsharded()
+
+    def unshard(self) -> None:
+        if self.is_unsharded:
+            return
+        self.issue_all_gather()
+        self.wait_all_gather()
+
+    def _to_unsharded(self) -> None:
+        ups = self.unsharded_params
+        for (params, name), i in zip(self._slots, self._slot_index):
+            params[name] = ups[i]
+        self.is_unsharded = True
+
+    def _to_sharded(self) -> None:
+        sps = self.sharded_params
+        for (params, name), i in zip(self._slots, self._slot_index):
+            params[name] = sps[i]
+        self.is_unsharded = False
+
+    def reshard(self, after_forward: bool = False) -> None:
+        if self.pending_ag is not None:
+            self.wait_all_gather()
+        if not self.is_unsharded:
+            return
+        self._to_sharded()
+        keep = self._pf_keep
+        if after_forward and self.post_forward is not None and keep is not None:
+            self._pf_shard = keep.clone()
+        self._pf_keep = None
+        self._free_unsharded()
+
+    def release_pending(self) -> None:
+        """Completes a prefetched all-gather nobody used, keeping collectives matched."""
+        if self.pending_ag is not None:
+            work, out = self.pending_ag
+            self.pending_ag = None
+            if work is not None:
+                work.wait()
+            self._account(-out.numel() * out.element_size())
+
+    # -------------------------------------------------------------- gradients
+    def _grad_buffers(self) -> tuple[torch.Tensor, list[DTensor]]:
+        if self._grad_flat is None:
+            flat = torch.zeros(self.total_padded, dtype=self.orig_dtype, device=self.sharded_flat.device)
+            views = self._views(flat)
+            self._grad_flat = flat
+            self._grad_dtensors = [
+                DTensor.from_local(v, self.info.mesh, self.info.placements, run_check=False, shape=sp.shape, stride=sp.stride())
+                for v, sp in zip(views, self.sharded_params)
+            ]
+        return self._grad_flat, self._grad_dtensors
+
+    def _divide_factors(self) -> tuple[float | None, float | None, object, object]:
+        """(pre, post, reduce-scatter op, all-reduce op), as torch FSDP2 picks them."""
+        dp = self.world_size * self.info.replicate_size
+        overflow_risk = self.reduce_dtype not in (torch.float32, torch.bfloat16)
+        factor = self.divide_factor
+        if not overflow_risk:
+            if factor is None:
+                if dp == 1:
+                    return None, None, _ReduceOp.SUM, _ReduceOp.SUM
+                return None, None, _ReduceOp.AVG, _ReduceOp.AVG
+            if factor == self.world_size:
+                return None, None, _ReduceOp.AVG, _ReduceOp.SUM
+            return None, factor, _ReduceOp.SUM, _ReduceOp.SUM
+        if factor is None:
+            factor = float(dp)
+        pre = 1
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return float(pre), factor / pre, _ReduceOp.SUM, _ReduceOp.SUM
+
+    def post_backward(self) -> None:
+        """Reduce-scatters this unit's unsharded gradients (or keeps them when gradient sync is
+        off) and reshards the parameters."""
+        if not self.needs_post_backward:
+            return
+        self.needs_post_backward = False
+        if self.pending_rs is not None:
+            self.finish_reduce()
+        if not self.is_unsharded:
+            return
+        grads = [p.grad for p in self.unsharded_params]
+        has_grad = [g is not None for g in grads]
+        if self.requires_gradient_sync and any(has_grad):
+            self._reduce(grads, has_grad)
+            for p in self.unsharded_params:
+                p.grad = None
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _reduce(self, grads: list[torch.Tensor | None], has_grad: list[bool]) -> None:
+        ws, S = self.world_size, self.total_padded
+        empty = _empty(self.param_dtype, self.device)
+        grads = [g if g is not None else empty for g in grads]
+        pre, post, rs_op, ar_op = self._divide_factors()
+        accumulate = any(sp.grad is not None for sp, h in zip(self.sharded_params, has_grad) if h)
+        direct = (
+            not accumulate
+            and self.reduce_dtype == self.orig_dtype
+            and self.shard_device == self.device
+            and self.partial_reduce is None
+        )
+        if ws == 1:
+            out = self._grad_buffers()[0] if direct else torch.empty(S, dtype=self.reduce_dtype, device=self.device)
+            ops.reduce_scatter_copy_in(grads, self.padded, 1, out)
+            if pre is not None:
+                out.div_(pre)
+            self.pending_rs = (None, None, out, direct, has_grad, post, ar_op)
+            return
+        rs_in = torch.empty(ws * S, dtype=self.reduce_dtype, device=self.device)
+        ops.reduce_scatter_copy_in(grads, self.padded, ws, rs_in)
+        if pre is not None:
+            rs_in.div_(pre)
+        out = self._grad_buffers()[0] if direct else torch.empty(S, dtype=self.reduce_dtype, device=self.device)
+        work = dist.reduce_scatter_tensor(out, rs_in, op=rs_op, group=self.info.shard_group, async_op=True)
+        self.pending_rs = (work, rs_in, out, direct, has_grad, post, ar_op)
+
+    def finish_reduce(self) -> None:
+        if self.pending_rs is None:
+            return
+        work, rs_in, out, direct, has_grad, post, ar_op = self.pending_rs
+        self.pending_rs = None
+        if work is not None:
+            work.wait()
+        del rs_in
+        if self.info.replicate_group is not None:
+            if self.partial_reduce is not None:
+                out = out + self.partial_reduce if direct else out.add_(self.partial_reduce)
+                self.partial_reduce = None
+            if not self.requires_all_reduce:
+                self.partial_reduce = out.clone() if direct else out
+                return
+            dist.all_reduce(out, op=ar_op, group=self.info.replicate_group)
+        grad_flat, grad_dtensors = self._grad_buffers()
+        sps = self.sharded_params
+        if direct and out is grad_flat:
+            if post is not None:
+                out.div_(post)
+            for sp, g, h in zip(sps, grad_dtensors, has_grad):
+                if h:
+                    sp.grad = g
+            return
+        if out.device != grad_flat.device:
+            out = out.to(grad_flat.device)
+        factor = post if post is not None else 1.0
+        accumulate = any(sp.grad is not None for sp, h in zip(sps, has_grad) if h)
+        if not accumulate:
+            ops.reduce_scatter_copy_out(out, self.padded, [g._local_tensor for g in grad_dtensors], divide_factor=factor)
+            for sp, g, h in zip(sps, grad_dtensors, has_grad):
+                if h:
+                    sp.grad = g
+            return
+        targets = []
+        for sp, g, h in zip(sps, grad_dtensors, has_grad):
+            if sp.grad is None:
+                if h:
+                    g._local_tensor.zero_()
+                    sp.grad = g
+                    targets.append(g._local_tensor)
+                else:
+                    targets.append(_empty(self.orig_dtype, grad_flat.device))
+            else:
+                targets.append(sp.grad._local_tensor if h else _empty(self.orig_dtype, grad_flat.device))
+        ops.reduce_scatter_copy_out(out, self.padded, targets, divide_factor=factor, accumulate=True)
+
+
+_EMPTIES: dict = {}
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    t = _EMPTIES.get(key)
+    if t is None:
+        t = _EMPTIES[key] = torch.empty(0, dtype=dtype, device=device)
+    return t
