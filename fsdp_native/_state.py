@@ -6,6 +6,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from fsdp_native._reduce import Reducer
 from fsdp_native._unit import Accounting, Unit
 
 
@@ -16,6 +17,7 @@ class RootContext:
         self.root = root
         self.units = units
         self.acct = Accounting()
+        self.reducer = Reducer()
         self.in_backward = False
         self.callback_queued = False
         self.forward_order: list[Unit] = []
@@ -69,17 +71,12 @@ class RootContext:
                 u.post_backward()
         for u in self.units:
             u.post_backward()
-            u.finish_reduce()
+        self.reducer.finish_all()
+        for u in self.units:
             u.release_pending()
             if u.reshard_after_backward:
                 u.reshard()
         self.in_backward = False
-
-    def finish_reduces_before(self, unit: Unit) -> None:
-        """Bounds reduce-scatters in flight: completes every other unit's before `unit` issues."""
-        for u in self.units:
-            if u is not unit and u.pending_rs is not None:
-                u.finish_reduce()
 
 
 class _PostBackward(torch.autograd.Function):
@@ -92,9 +89,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        unit: Unit = ctx.unit
-        unit.ctx.finish_reduces_before(unit)
-        unit.post_backward()
+        ctx.unit.post_backward()
         return (None, *grads)
 
 

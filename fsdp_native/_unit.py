@@ -356,8 +356,8 @@ class Unit:
         return float(pre), factor / pre, _ReduceOp.SUM, _ReduceOp.SUM
 
     def post_backward(self) -> None:
-        """Reduce-scatters this unit's unsharded gradients (or keeps them when gradient sync is
-        off) and reshards the parameters."""
+        """Hands this unit's unsharded gradients to the reducer (or keeps them when gradient
+        sync is off, to accumulate over micro-batches) and reshards the parameters."""
         if not self.needs_post_backward:
             return
         self.needs_post_backward = False
@@ -368,58 +368,46 @@ class Unit:
         grads = [p.grad for p in self.unsharded_params]
         has_grad = [g is not None for g in grads]
         if self.requires_gradient_sync and any(has_grad):
-            self._reduce(grads, has_grad)
+            self.ctx.reducer.add(self, grads, has_grad)
             for p in self.unsharded_params:
                 p.grad = None
         if self.reshard_after_backward:
             self.reshard()
 
-    def _reduce(self, grads: list[torch.Tensor | None], has_grad: list[bool]) -> None:
-        ws, S = self.world_size, self.total_padded
-        empty = _empty(self.param_dtype, self.device)
-        grads = [g if g is not None else empty for g in grads]
-        pre, post, rs_op, ar_op = self._divide_factors()
-        accumulate = any(sp.grad is not None for sp, h in zip(self.sharded_params, has_grad) if h)
-        direct = (
-            not accumulate
-            and self.reduce_dtype == self.orig_dtype
+    def reduce_key(self) -> tuple:
+        """Units with equal keys can share one reduce-scatter."""
+        return (self.reduce_dtype, self.info.shard_group, self.device, self._divide_factors())
+
+    def can_reduce_in_place(self, has_grad: list[bool]) -> bool:
+        """Whether the reduce-scatter may write straight into the sharded-gradient buffer."""
+        return (
+            self.reduce_dtype == self.orig_dtype
             and self.shard_device == self.device
             and self.partial_reduce is None
+            and not any(sp.grad is not None for sp, h in zip(self.sharded_params, has_grad) if h)
         )
-        if ws == 1:
-            out = self._grad_buffers()[0] if direct else torch.empty(S, dtype=self.reduce_dtype, device=self.device)
-            ops.reduce_scatter_copy_in(grads, self.padded, 1, out)
-            if pre is not None:
-                out.div_(pre)
-            self.pending_rs = (None, None, out, direct, has_grad, post, ar_op)
-            return
-        rs_in = torch.empty(ws * S, dtype=self.reduce_dtype, device=self.device)
-        ops.reduce_scatter_copy_in(grads, self.padded, ws, rs_in)
-        if pre is not None:
-            rs_in.div_(pre)
-        out = self._grad_buffers()[0] if direct else torch.empty(S, dtype=self.reduce_dtype, device=self.device)
-        work = dist.reduce_scatter_tensor(out, rs_in, op=rs_op, group=self.info.shard_group, async_op=True)
-        self.pending_rs = (work, rs_in, out, direct, has_grad, post, ar_op)
 
     def finish_reduce(self) -> None:
-        if self.pending_rs is None:
-            return
-        work, rs_in, out, direct, has_grad, post, ar_op = self.pending_rs
-        self.pending_rs = None
-        if work is not None:
-            work.wait()
-        del rs_in
+        if self.pending_rs is not None:
+            self.ctx.reducer.finish(self.pending_rs)
+
+    def take_reduced(self, out: torch.Tensor, has_grad: list[bool]) -> None:
+        """Turns this unit's reduce-scattered flat shard `out` into sharded gradients: HSDP
+        all-reduce, division, cast, accumulation."""
+        _, post, _, ar_op = self._divide_factors()
+        grad_flat, grad_dtensors = self._grad_buffers()
+        direct = out is grad_flat
         if self.info.replicate_group is not None:
             if self.partial_reduce is not None:
                 out = out + self.partial_reduce if direct else out.add_(self.partial_reduce)
                 self.partial_reduce = None
+                direct = out is grad_flat
             if not self.requires_all_reduce:
                 self.partial_reduce = out.clone() if direct else out
                 return
             dist.all_reduce(out, op=ar_op, group=self.info.replicate_group)
-        grad_flat, grad_dtensors = self._grad_buffers()
         sps = self.sharded_params
-        if direct and out is grad_flat:
+        if direct:
             if post is not None:
                 out.div_(post)
             for sp, g, h in zip(sps, grad_dtensors, has_grad):
@@ -438,15 +426,14 @@ class Unit:
             return
         targets = []
         for sp, g, h in zip(sps, grad_dtensors, has_grad):
-            if sp.grad is None:
-                if h:
-                    g._local_tensor.zero_()
-                    sp.grad = g
-                    targets.append(g._local_tensor)
-                else:
-                    targets.append(_empty(self.orig_dtype, grad_flat.device))
+            if not h:
+                targets.append(_empty(self.orig_dtype, grad_flat.device))
+            elif sp.grad is None:
+                g._local_tensor.zero_()
+                sp.grad = g
+                targets.append(g._local_tensor)
             else:
-                targets.append(sp.grad._local_tensor if h else _empty(self.orig_dtype, grad_flat.device))
+                targets.append(sp.grad._local_tensor)
         ops.reduce_scatter_copy_out(out, self.padded, targets, divide_factor=factor, accumulate=True)
 
 

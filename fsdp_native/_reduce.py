@@ -1,0 +1,116 @@
+"""Gradient reduction: units' gradients are packed into buckets, one reduce-scatter each.
+
+Small units (the overhead-bound case) share a reduce-scatter, which cuts the number of
+collectives, each of which costs a fixed latency; a unit at least as large as the bucket
+size goes alone and, when no cast is needed, reduces straight into its gradient buffer. At
+most one bucket is in flight: issuing the next completes the previous.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fsdp_native import ops
+from fsdp_native._unit import Unit, _empty
+
+DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
+
+
+class Bucket:
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self.entries: list[tuple[Unit, list, list[bool]]] = []
+        self.nbytes = 0
+        self.issued = False
+        self.work = None
+        self.rs_in: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+
+    def issue(self) -> None:
+        self.issued = True
+        first = self.entries[0][0]
+        ws, dtype, device = first.world_size, first.reduce_dtype, first.device
+        pre, _, rs_op, _ = first._divide_factors()
+        padded, grads = [], []
+        empty = _empty(first.param_dtype, device)
+        for unit, gs, _ in self.entries:
+            padded += unit.padded
+            grads += [g if g is not None else empty for g in gs]
+        total = sum(u.total_padded for u, _, _ in self.entries)
+        out = None
+        if len(self.entries) == 1 and first.can_reduce_in_place(self.entries[0][2]):
+            out = first._grad_buffers()[0]
+        if ws == 1:
+            out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
+            ops.reduce_scatter_copy_in(grads, padded, 1, out)
+            if pre is not None:
+                out.div_(pre)
+            self.out = out
+            return
+        rs_in = torch.empty(ws * total, dtype=dtype, device=device)
+        ops.reduce_scatter_copy_in(grads, padded, ws, rs_in)
+        if pre is not None:
+            rs_in.div_(pre)
+        self.out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
+        self.rs_in = rs_in
+        self.work = dist.reduce_scatter_tensor(self.out, rs_in, op=rs_op, group=first.info.shard_group, async_op=True)
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.rs_in = None
+        offset = 0
+        for unit, _, has_grad in self.entries:
+            unit.pending_rs = None
+            n = unit.total_padded
+            out = self.out if len(self.entries) == 1 else self.out.narrow(0, offset, n)
+            unit.take_reduced(out, has_grad)
+            offset += n
+        self.entries = []
+        self.out = None
+
+
+class Reducer:
+    """Per root: the open bucket and the one in flight."""
+
+    def __init__(self) -> None:
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.open: Bucket | None = None
+        self.inflight: Bucket | None = None
+
+    def add(self, unit: Unit, grads: list, has_grad: list[bool]) -> None:
+        key = unit.reduce_key()
+        if self.open is not None and self.open.key != key:
+            self.flush()
+        if self.open is None:
+            self.open = Bucket(key)
+        b = self.open
+        b.entries.append((unit, grads, has_grad))
+        unit.pending_rs = b
+        b.nbytes += unit.total_padded * unit.world_size * unit.reduce_dtype.itemsize
+        if b.nbytes >= self.bucket_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        b, self.open = self.open, None
+        if b is None:
+            return
+        if self.inflight is not None:
+            self.inflight.finish()
+        b.issue()
+        self.inflight = b
+
+    def finish(self, bucket: Bucket) -> None:
+        if bucket is self.open:
+            self.flush()
+        if bucket is self.inflight:
+            self.inflight = None
+        if bucket.issued:
+            bucket.finish()
+
+    def finish_all(self) -> None:
+        self.flush()
+        if self.inflight is not None:
+            b, self.inflight = self.inflight, None
+            b.finish()
