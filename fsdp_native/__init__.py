@@ -11,6 +11,8 @@ from fsdp_native._fully_shard import (  # noqa: E402
     fully_shard,
     register_fsdp_forward_method,
 )
+from fsdp_native._timeline import plot_timeline  # noqa: E402
+from fsdp_native._trace import Recorder, record_trace  # noqa: E402
 from fsdp_native._stats import UnitStats, UnshardedStats, reset_unsharded_peak, unsharded_stats  # noqa: E402
 
 __all__ = [
@@ -18,11 +20,14 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "Recorder",
     "UnitStats",
     "UnshardHandle",
     "UnshardedStats",
     "fully_shard",
     "ops",
+    "plot_timeline",
+    "record_trace",
     "register_fsdp_forward_method",
     "reset_unsharded_peak",
     "unsharded_stats",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fsdp_native import ops
+from fsdp_native import _trace, ops
 from fsdp_native._unit import Unit, _empty
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
@@ -28,6 +28,8 @@ class Bucket:
 
     def issue(self) -> None:
         self.issued = True
+        rec = _trace.active
+        t0 = _trace.now_us() if rec is not None else 0.0
         first = self.entries[0][0]
         ws, dtype, device = first.world_size, first.reduce_dtype, first.device
         pre, _, rs_op, _ = first._divide_factors()
@@ -53,11 +55,24 @@ class Bucket:
             rs_in.div_(pre)
         self.out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
         self.rs_in = rs_in
+        if rec is not None:
+            t1 = _trace.now_us()
+            names = "+".join(u.fqn or "root" for u, _, _ in self.entries)
+            rec.span("reduce_scatter_copy_in", "copy", names, t0, t1)
+            t0 = t1
         self.work = dist.reduce_scatter_tensor(self.out, rs_in, op=rs_op, group=first.info.shard_group, async_op=True)
+        if rec is not None:
+            per_unit = {u.fqn: u.total_padded * ws * dtype.itemsize for u, _, _ in self.entries}
+            rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit)
 
     def finish(self) -> None:
         if self.work is not None:
+            rec = _trace.active
+            t0 = _trace.now_us() if rec is not None else 0.0
             self.work.wait()
+            if rec is not None:
+                rec.waited(self.work)
+                rec.span("wait_reduce_scatter", "stall", "+".join(u.fqn or "root" for u, _, _ in self.entries), t0, _trace.now_us())
             self.work = None
         self.rs_in = None
         offset = 0

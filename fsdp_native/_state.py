@@ -6,6 +6,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from fsdp_native import _trace
 from fsdp_native._reduce import Reducer
 from fsdp_native._unit import Accounting, Unit
 
@@ -41,6 +42,8 @@ class RootContext:
 
     def begin_forward(self) -> None:
         self.forward_order = []
+        if _trace.active is not None:
+            _trace.active.begin_step()
         for u in self.units:
             u.check_registered()
 
@@ -125,6 +128,8 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
             for i, t in zip(idx, outs):
                 flat[i] = t
             args, kwargs = tree_unflatten(flat, spec)
+    if _trace.active is not None:
+        unit._t_compute = _trace.now_us()
     return args, kwargs
 
 
@@ -132,6 +137,10 @@ def post_forward(unit: Unit, module: nn.Module, args, output):
     ctx: RootContext = unit.ctx
     if ctx.in_backward:
         return None
+    rec = _trace.active
+    if rec is not None and unit._t_compute is not None:
+        rec.span("forward", "compute", unit.fqn, unit._t_compute, _trace.now_us())
+        unit._t_compute = None
     if unit.reshard_after_forward:
         unit.reshard(after_forward=True)
     if unit.mp.output_dtype is not None:
@@ -159,6 +168,8 @@ def pre_backward(unit: Unit) -> None:
     for other in prefetch:
         if other.unshard_in_backward:
             other.issue_all_gather()
+    if _trace.active is not None:
+        unit._t_compute = _trace.now_us()
 
 
 def lazy_init(module: nn.Module) -> RootContext:

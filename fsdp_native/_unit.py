@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_native import ops
+from fsdp_native import _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp_native._mesh import MeshInfo
 
@@ -106,6 +106,7 @@ class Unit:
         self.pending_rs = None
         self.partial_reduce: torch.Tensor | None = None
         self.needs_post_backward = False
+        self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None
         self._pf_shard_in_flight: torch.Tensor | None = None
         self._pf_keep: torch.Tensor | None = None
@@ -244,6 +245,8 @@ class Unit:
         if self.post_optim_event is not None:
             torch.get_device_module(self.device.type).current_stream().wait_event(self.post_optim_event)
             self.post_optim_event = None
+        rec = _trace.active
+        t0 = _trace.now_us() if rec is not None else 0.0
         out = torch.empty(ws * S, dtype=self.param_dtype, device=self.device)
         self._account(out.numel() * out.element_size())
         if self.param_dtype == self.orig_dtype and self.shard_device == self.device:
@@ -255,12 +258,19 @@ class Unit:
         else:
             inp = out.narrow(0, self.rank * S, S)
             ops.all_gather_copy_in(self.shard_views, self.padded, inp)
+        if rec is not None:
+            t1 = _trace.now_us()
+            if inp is not self.sharded_flat:
+                rec.span("all_gather_copy_in", "copy", self.fqn, t0, t1)
+            t0 = t1
         if ws == 1:
             if inp is not out:
                 out.copy_(inp)
             work = None
         else:
             work = dist.all_gather_into_tensor(out, inp, group=self.info.shard_group, async_op=True)
+        if rec is not None:
+            rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel() * out.element_size())
         self.pending_ag = (work, out)
 
     def wait_all_gather(self) -> None:
@@ -270,11 +280,21 @@ class Unit:
             return
         work, out = self.pending_ag
         self.pending_ag = None
+        rec = _trace.active
         if work is not None:
-            work.wait()
+            if rec is None:
+                work.wait()
+            else:
+                t0 = _trace.now_us()
+                work.wait()
+                rec.waited(work)
+                rec.span("wait_all_gather", "stall", self.fqn, t0, _trace.now_us())
         self._pf_shard_in_flight = None
         allocated = self._alloc_unsharded()
+        t0 = _trace.now_us() if rec is not None else 0.0
         ops.all_gather_copy_out(out, self.padded, self.world_size, self._unsharded_plain)
+        if rec is not None:
+            rec.span("all_gather_copy_out", "copy", self.fqn, t0, _trace.now_us())
         if self.post_forward is not None:
             _, size, index = self.post_forward
             per = self.world_size // size * self.total_padded
@@ -361,6 +381,10 @@ class Unit:
         if not self.needs_post_backward:
             return
         self.needs_post_backward = False
+        rec = _trace.active
+        if rec is not None and self._t_compute is not None:
+            rec.span("backward", "compute", self.fqn, self._t_compute, _trace.now_us())
+            self._t_compute = None
         if self.pending_rs is not None:
             self.finish_reduce()
         if not self.is_unsharded:
@@ -405,7 +429,11 @@ class Unit:
             if not self.requires_all_reduce:
                 self.partial_reduce = out.clone() if direct else out
                 return
+            rec = _trace.active
+            t0 = _trace.now_us() if rec is not None else 0.0
             dist.all_reduce(out, op=ar_op, group=self.info.replicate_group)
+            if rec is not None:
+                rec.span("all_reduce", "all_reduce", self.fqn, t0, _trace.now_us(), out.numel() * out.element_size())
         sps = self.sharded_params
         if direct:
             if post is not None:
