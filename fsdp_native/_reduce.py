@@ -49,31 +49,40 @@ class Bucket:
                 out.div_(pre)
             self.out = out
             return
-        rs_in = torch.empty(ws * total, dtype=dtype, device=device)
-        ops.reduce_scatter_copy_in(grads, padded, ws, rs_in)
-        if pre is not None:
-            rs_in.div_(pre)
-        self.out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
+        st = first.streams
+        anchor = first.sharded_flat
+        st.wait(anchor, st.reduce_scatter, st.compute)  # gradients were computed on compute
+        with st.use(st.reduce_scatter):
+            rs_in = torch.empty(ws * total, dtype=dtype, device=device)
+            ops.reduce_scatter_copy_in(grads, padded, ws, rs_in)
+            if pre is not None:
+                rs_in.div_(pre)
+            self.out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
+        st.wait(rs_in, st.compute, st.reduce_scatter)  # the unsharded gradients may be freed now
         self.rs_in = rs_in
         if rec is not None:
             t1 = _trace.now_us()
             names = "+".join(u.fqn or "root" for u, _, _ in self.entries)
             rec.span("reduce_scatter_copy_in", "copy", names, t0, t1)
             t0 = t1
-        self.work = dist.reduce_scatter_tensor(self.out, rs_in, op=rs_op, group=first.info.shard_group, async_op=True)
+        with st.use(st.reduce_scatter):
+            self.work = dist.reduce_scatter_tensor(self.out, rs_in, op=rs_op, group=first.info.shard_group, async_op=True)
         if rec is not None:
             per_unit = {u.fqn: u.total_padded * ws * dtype.itemsize for u, _, _ in self.entries}
             rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit)
 
     def finish(self) -> None:
+        st = self.entries[0][0].streams
         if self.work is not None:
             rec = _trace.active
             t0 = _trace.now_us() if rec is not None else 0.0
-            self.work.wait()
+            with st.use(st.reduce_scatter):
+                self.work.wait()
             if rec is not None:
                 rec.waited(self.work)
                 rec.span("wait_reduce_scatter", "stall", "+".join(u.fqn or "root" for u, _, _ in self.entries), t0, _trace.now_us())
             self.work = None
+            st.wait(self.out, st.compute, st.reduce_scatter)
         self.rs_in = None
         offset = 0
         for unit, _, has_grad in self.entries:
@@ -82,6 +91,7 @@ class Bucket:
             out = self.out if len(self.entries) == 1 else self.out.narrow(0, offset, n)
             unit.take_reduced(out, has_grad)
             offset += n
+        st.wait(self.out, st.reduce_scatter, st.compute)  # release the output after its last use
         self.entries = []
         self.out = None
 

@@ -8,6 +8,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fsdp_native import _trace
 from fsdp_native._reduce import Reducer
+from fsdp_native._streams import Streams
 from fsdp_native._unit import Accounting, Unit
 
 
@@ -25,8 +26,13 @@ class RootContext:
         self.next_forward: dict[Unit, Unit] = {}
         self.prev_forward: dict[Unit, Unit] = {}
         self._set_order(units)
+        streams = units[0].streams if units else None
+        if streams is not None and streams.cuda:
+            streams = Streams(units[0].device)
         for u in units:
             u.ctx = self
+            if streams is not None:
+                u.streams = streams
             u.pre_backward_hook = lambda grad, u=u: pre_backward(u)
             u.total_acct = self.acct
             self.acct.current += u.acct.current

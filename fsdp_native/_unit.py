@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_native import _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp_native._mesh import MeshInfo
+from fsdp_native._streams import streams_for
 
 _ReduceOp = dist.ReduceOp
 
@@ -94,6 +95,7 @@ class Unit:
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype
         self.requires_grad = [p.requires_grad for p in params]
         self.device = info.device
+        self.streams = streams_for(info.device)  # replaced by the root's shared streams at lazy init
         self.shard_device = torch.device("cpu") if offload is not None else info.device
         self._shard(params)
         # Views and per-parameter registration slots, built once.
@@ -247,28 +249,31 @@ class Unit:
             self.post_optim_event = None
         rec = _trace.active
         t0 = _trace.now_us() if rec is not None else 0.0
-        out = torch.empty(ws * S, dtype=self.param_dtype, device=self.device)
-        self._account(out.numel() * out.element_size())
-        if self.param_dtype == self.orig_dtype and self.shard_device == self.device:
-            inp = self.sharded_flat  # padding is kept zero: the flat shard is the input as is
-        elif self.shard_device != self.device:
-            staged = self.sharded_flat.to(self.device, non_blocking=True)
-            inp = out.narrow(0, self.rank * S, S)
-            ops.all_gather_copy_in([staged], [S], inp)
-        else:
-            inp = out.narrow(0, self.rank * S, S)
-            ops.all_gather_copy_in(self.shard_views, self.padded, inp)
-        if rec is not None:
-            t1 = _trace.now_us()
-            if inp is not self.sharded_flat:
-                rec.span("all_gather_copy_in", "copy", self.fqn, t0, t1)
-            t0 = t1
-        if ws == 1:
-            if inp is not out:
-                out.copy_(inp)
-            work = None
-        else:
-            work = dist.all_gather_into_tensor(out, inp, group=self.info.shard_group, async_op=True)
+        st = self.streams
+        st.wait(self.sharded_flat, st.all_gather, st.compute)  # the optimizer wrote the shards on compute
+        with st.use(st.all_gather):
+            out = torch.empty(ws * S, dtype=self.param_dtype, device=self.device)
+            self._account(out.numel() * out.element_size())
+            if self.param_dtype == self.orig_dtype and self.shard_device == self.device:
+                inp = self.sharded_flat  # padding is kept zero: the flat shard is the input as is
+            elif self.shard_device != self.device:
+                staged = self.sharded_flat.to(self.device, non_blocking=True)
+                inp = out.narrow(0, self.rank * S, S)
+                ops.all_gather_copy_in([staged], [S], inp)
+            else:
+                inp = out.narrow(0, self.rank * S, S)
+                ops.all_gather_copy_in(self.shard_views, self.padded, inp)
+            if rec is not None:
+                t1 = _trace.now_us()
+                if inp is not self.sharded_flat:
+                    rec.span("all_gather_copy_in", "copy", self.fqn, t0, t1)
+                t0 = t1
+            if ws == 1:
+                if inp is not out:
+                    out.copy_(inp)
+                work = None
+            else:
+                work = dist.all_gather_into_tensor(out, inp, group=self.info.shard_group, async_op=True)
         if rec is not None:
             rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel() * out.element_size())
         self.pending_ag = (work, out)
@@ -281,14 +286,15 @@ class Unit:
         work, out = self.pending_ag
         self.pending_ag = None
         rec = _trace.active
+        st = self.streams
         if work is not None:
-            if rec is None:
+            t0 = _trace.now_us() if rec is not None else 0.0
+            with st.use(st.all_gather):
                 work.wait()
-            else:
-                t0 = _trace.now_us()
-                work.wait()
+            if rec is not None:
                 rec.waited(work)
                 rec.span("wait_all_gather", "stall", self.fqn, t0, _trace.now_us())
+        st.wait(out, st.compute, st.all_gather)
         self._pf_shard_in_flight = None
         allocated = self._alloc_unsharded()
         t0 = _trace.now_us() if rec is not None else 0.0
@@ -301,6 +307,7 @@ class Unit:
             self._pf_keep = out.narrow(0, index * per, per)
         # The unit counts as its all-gather buffer while in flight, then as its parameters.
         self._account(allocated - out.numel() * out.element_size())
+        st.wait(out, st.all_gather, st.compute)  # `out` came from the all-gather stream: release after the copy-out
         del out
         self._to_unsharded()
 
