@@ -45,9 +45,7 @@ def normalize_mp_policy(policy) -> MixedPrecisionPolicy:
     """Accepts fsdp_native's or torch's MixedPrecisionPolicy (same fields)."""
     fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
     if not all(hasattr(policy, f) for f in fields):
-        raise TypeError(
-            f"fully_shard: argument 'mp_policy' is a {type(policy).__name__}, expected a MixedPrecisionPolicy"
-        )
+        raise TypeError(f"fully_shard: argument 'mp_policy' must be a MixedPrecisionPolicy, got {type(policy).__name__}")
     values = {f: getattr(policy, f) for f in fields}
     for f in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = values[f]
@@ -60,11 +58,16 @@ def normalize_offload_policy(policy) -> CPUOffloadPolicy | None:
     """Returns the CPU offload policy, or None for no offloading; rejects anything else."""
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPU, OffloadPolicy as TorchOffload
 
-    if isinstance(policy, (CPUOffloadPolicy, TorchCPU)):
+    if type(policy) in (CPUOffloadPolicy, TorchCPU):
         return CPUOffloadPolicy(pin_memory=bool(policy.pin_memory))
     if type(policy) in (OffloadPolicy, TorchOffload):
         return None
+    if isinstance(policy, (OffloadPolicy, TorchOffload)):
+        raise NotImplementedError(
+            f"fully_shard: argument 'offload_policy' of type {type(policy).__name__} is not supported; "
+            "use OffloadPolicy() or CPUOffloadPolicy()"
+        )
     raise TypeError(
-        f"fully_shard: argument 'offload_policy' is a {type(policy).__name__}, expected "
-        "OffloadPolicy() or CPUOffloadPolicy()"
+        f"fully_shard: argument 'offload_policy' must be an OffloadPolicy (OffloadPolicy() or "
+        f"CPUOffloadPolicy()), got {type(policy).__name__}"
     )

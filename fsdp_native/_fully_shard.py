@@ -56,11 +56,17 @@ def fully_shard(
             raise TypeError(f"fully_shard: argument 'module' is a {type(m).__name__}, expected an nn.Module or a list of them")
     if isinstance(module, list) and not module:
         raise ValueError("fully_shard: argument 'module' is an empty list, expected at least one module")
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard: argument 'module' is a {type(m).__name__}, a container without forward; "
+                "shard its children instead"
+            )
     mp = normalize_mp_policy(mp_policy)
     offload = normalize_offload_policy(offload_policy)
     if not isinstance(reshard_after_forward, (bool, int, type(None))):
         raise TypeError(
-            f"fully_shard: argument 'reshard_after_forward' is a {type(reshard_after_forward).__name__}, expected a bool, an int or None"
+            f"fully_shard: argument 'reshard_after_forward' must be a bool or an int, got {type(reshard_after_forward).__name__}"
         )
     mesh = mesh if mesh is not None else default_mesh()
     info = mesh_info(mesh)
@@ -71,7 +77,7 @@ def fully_shard(
     for m in modules:
         existing = getattr(m, "_fsdp_native_unit", None)
         if existing is not None:
-            _check_same_settings(m, existing, info, mp, offload, raf)
+            _check_same_settings(m, existing, info, mp, offload, raf, reshard_after_forward)
             return module
     ignored = set(ignored_params or ())
     params, owners = _collect_params(modules, ignored)
@@ -82,8 +88,15 @@ def fully_shard(
                 raise NotImplementedError(
                     f"fully_shard: shard_placement_fn returned {placement} for '{owner[0][1]}', expected None or Shard(0)"
                 )
-    _check_devices(params, owners, info)
-    _check_shapes_across_ranks(params, owners, info)
+    names = _param_names(modules, params)
+    for p, name in zip(params, names):
+        if p.dim() == 0:
+            raise ValueError(
+                f"fully_shard: argument 'module' has a scalar (0-dim) parameter '{name}'; FSDP shards dim 0, "
+                "make it a 1-D tensor of size 1"
+            )
+    _check_devices(params, names)
+    _check_shapes_across_ranks(params, names, info)
     params = [_to_device(p, info.device) for p in params]
     unit = Unit(modules, params, owners, info, mp, offload, raf, post)
     for m in modules:
@@ -112,7 +125,9 @@ def _reshard_after_forward(value, info) -> tuple[bool | None, tuple | None]:
         return value, None
     size = info.shard_size
     if value < 1 or value > size or size % value:
-        raise ValueError(f"fully_shard: argument 'reshard_after_forward' is {value}, expected a bool or a factor of the shard group size {size}")
+        raise ValueError(
+            f"fully_shard: argument 'reshard_after_forward' is {value}, expected a bool or a divisor of the shard group size {size}"
+        )
     if value == 1:
         return False, None
     if value == size:
@@ -121,20 +136,20 @@ def _reshard_after_forward(value, info) -> tuple[bool | None, tuple | None]:
     return True, (group, value, index)
 
 
-def _check_same_settings(module, unit, info, mp, offload, raf) -> None:
-    diffs = []
-    if unit.info.mesh != info.mesh:
-        diffs.append("mesh")
-    if unit.mp != mp:
-        diffs.append(f"mp_policy (sharded with {unit.mp}, got {mp})")
-    if (unit.offload is None) != (offload is None):
-        diffs.append("offload_policy")
+def _check_same_settings(module, unit, info, mp, offload, raf, given) -> None:
+    """Re-applying fully_shard with the same settings is a no-op; conflicting settings raise."""
+    where = f"module {type(module).__name__}"
     if raf is not None and unit.reshard_after_forward != raf:
-        diffs.append(f"reshard_after_forward (sharded with {unit.reshard_after_forward}, got {raf})")
-    if diffs:
         raise ValueError(
-            f"fully_shard: module {type(module).__name__} is already sharded with different settings: {', '.join(diffs)}"
+            f"fully_shard: argument 'reshard_after_forward' is {given}, but {where} is already sharded with "
+            f"reshard_after_forward={unit.reshard_after_forward}"
         )
+    if unit.mp != mp:
+        raise ValueError(f"fully_shard: argument 'mp_policy' is {mp}, but {where} is already sharded with mp_policy={unit.mp}")
+    if (unit.offload is None) != (offload is None):
+        raise ValueError(f"fully_shard: argument 'offload_policy' is {offload}, but {where} is already sharded with offload_policy={unit.offload}")
+    if unit.info.mesh != info.mesh:
+        raise ValueError(f"fully_shard: argument 'mesh' is {info.mesh}, but {where} is already sharded on {unit.info.mesh}")
 
 
 def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]]]:
@@ -163,15 +178,26 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Par
     return params, owners
 
 
-def _check_devices(params, owners, info) -> None:
-    devices = {p.device.type for p in params}
-    if len(devices) > 1:
-        where = {p.device.type: owner[0][1] for p, owner in zip(params, owners)}
-        detail = ", ".join(f"'{n}' on {d}" for d, n in sorted(where.items()))
-        raise ValueError(f"fully_shard: argument 'module' has parameters on mixed devices ({detail}), expected one device")
-    for p in params:
-        if p.device.type not in ("meta", "cpu", info.device.type):
-            raise ValueError(f"fully_shard: parameter on device {p.device}, expected {info.device}, cpu or meta")
+def _param_names(modules, params) -> list[str]:
+    """Qualified names of `params` relative to the module(s) being sharded."""
+    names: dict[int, str] = {}
+    for i, m in enumerate(modules):
+        prefix = f"[{i}]." if len(modules) > 1 else ""
+        for name, p in m.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), prefix + name)
+    return [names.get(id(p), "?") for p in params]
+
+
+def _check_devices(params, names) -> None:
+    by_device: dict[str, list[str]] = {}
+    for p, name in zip(params, names):
+        by_device.setdefault(str(p.device), []).append(name)
+    if len(by_device) > 1:
+        detail = "; ".join(
+            f"{d}: " + ", ".join(f"'{n}'" for n in ns[:3]) + (", ..." if len(ns) > 3 else "")
+            for d, ns in sorted(by_device.items())
+        )
+        raise ValueError(f"fully_shard: argument 'module' has parameters on mixed devices ({detail}); expected one device")
 
 
 def _to_device(p: nn.Parameter, device: torch.device) -> nn.Parameter:
@@ -185,7 +211,7 @@ def _signature(params) -> list[int]:
     return [len(params), sum(p.numel() for p in params), zlib.crc32(text.encode())]
 
 
-def _check_shapes_across_ranks(params, owners, info) -> None:
+def _check_shapes_across_ranks(params, names, info) -> None:
     """One small all-gather of shape metadata per group; every rank raises on a mismatch."""
     mine = torch.tensor(_signature(params), dtype=torch.int64)
     for group in (info.shard_group, info.replicate_group):
@@ -201,12 +227,24 @@ def _check_shapes_across_ranks(params, owners, info) -> None:
             dist.all_gather_into_tensor(table, mine, group=group)
         table = table.view(-1, 3)
         if not bool((table == mine).all()):
+            # Every rank saw the same table, so every rank takes this branch: gather the details.
             ranks = dist.get_process_group_ranks(group)
-            rows = ", ".join(f"rank {r}: {n} parameters, {numel} elements" for r, (n, numel, _) in zip(ranks, table.tolist()))
-            raise ValueError(
-                "fully_shard: argument 'module' has parameter shapes that differ across ranks "
-                f"({rows}); expected the same parameters on every rank of the mesh"
-            )
+            shapes: list = [None] * len(ranks)
+            dist.all_gather_object(shapes, [(n, tuple(p.shape)) for n, p in zip(names, params)], group=group)
+            raise ValueError(_shape_mismatch(shapes, ranks))
+
+
+def _shape_mismatch(shapes: list, ranks: list[int]) -> str:
+    first = dict(shapes[0])
+    for rank, entries in zip(ranks[1:], shapes[1:]):
+        mine = dict(entries)
+        for name in list(first) + [n for n in mine if n not in first]:
+            if first.get(name) != mine.get(name):
+                return (
+                    f"fully_shard: argument 'module' has parameter '{name}' of shape {mine.get(name)} on rank {rank} "
+                    f"but {first.get(name)} on rank {ranks[0]}; parameter shapes must match on all ranks"
+                )
+    return "fully_shard: argument 'module' has parameter shapes that differ across ranks"
 
 
 class UnshardHandle:

@@ -31,11 +31,11 @@ def default_mesh() -> DeviceMesh:
 
 def mesh_info(mesh: DeviceMesh) -> MeshInfo:
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard: argument 'mesh' is a {type(mesh).__name__}, expected a DeviceMesh")
+        raise TypeError(f"fully_shard: argument 'mesh' must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard: argument 'mesh' has {mesh.ndim} dimensions, expected a 1-D mesh (FSDP) "
-            "or a 2-D mesh (HSDP: replicate, shard)"
+            f"fully_shard: argument 'mesh' must be a 1-D (FSDP) or 2-D (HSDP: replicate, shard) DeviceMesh, "
+            f"got a {mesh.ndim}-D mesh"
         )
     if mesh.device_type == "cpu":
         device = torch.device("cpu")

@@ -77,10 +77,6 @@ class Unit:
         ws, rank = info.shard_size, info.shard_rank
         self.world_size, self.rank = ws, rank
         self.shapes = [p.shape for p in params]
-        for p, owner in zip(params, owners):
-            if p.dim() == 0:
-                mod, name = owner[0]
-                raise ValueError(f"fully_shard: parameter '{name}' of {type(mod).__name__} is 0-dimensional, expected at least 1 dimension to shard")
         self.numels = [p.numel() for p in params]
         self.padded = [ops.padded_shard_numel(s, ws) for s in self.shapes]
         self.total_padded = sum(self.padded)
@@ -234,6 +230,12 @@ class Unit:
         """Starts this unit's all-gather (asynchronously) unless it is unsharded or in flight."""
         if self.is_unsharded or self.pending_ag is not None:
             return
+        if self.sharded_flat.is_meta:
+            mod, name = self.owners[0][0] if self.owners else (self.modules[0], "?")
+            raise RuntimeError(
+                f"fsdp_native: unit '{self.fqn}' has parameters (e.g. '{name}' of {type(mod).__name__}) still on the "
+                "meta device; call module.to_empty(device=...) and initialise them before forward"
+            )
         ws, S = self.world_size, self.total_padded
         if self._pf_shard is not None:
             group, size, _ = self.post_forward
