@@ -366,7 +366,7 @@ class FSDPModule(_TorchFSDPModule):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         unit = self._unit
         unit.reshard()
-        ret = super()._apply(*args, **kwargs)
+        ret = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # skip torch's FSDP2 override
         unit.readopt()
         return ret
 
@@ -386,7 +386,9 @@ class FSDPModule(_TorchFSDPModule):
         self._not_implemented("set_all_reduce_hook")
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        self._not_implemented("set_force_sum_reduction_for_comms")
+        """Reduce with SUM only (then divide), for backends without AVG / PREMUL_SUM."""
+        for u in _units_below(self):
+            u.force_sum = bool(enable)
 
     def set_reduce_scatter_unused_params(self, *args, **kwargs) -> None:
         self._not_implemented("set_reduce_scatter_unused_params")

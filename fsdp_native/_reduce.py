@@ -41,7 +41,7 @@ class Bucket:
         total = sum(u.total_padded for u, _, _ in self.entries)
         out = None
         if len(self.entries) == 1 and first.can_reduce_in_place(self.entries[0][2]):
-            out = first._grad_buffers()[0]
+            out = first.reduce_in_place_target()
         if ws == 1:
             out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
             ops.reduce_scatter_copy_in(grads, padded, 1, out)

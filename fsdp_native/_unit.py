@@ -66,6 +66,10 @@ class Unit:
         self.requires_all_reduce = True
         self.unshard_in_backward = True
         self.divide_factor: float | None = None
+        self.force_sum = False
+        # Unsharded gradients accumulated over no-sync micro-batches in the reduce dtype, when
+        # that differs from the parameter dtype (bf16 compute, fp32 reduce), as torch does.
+        self._accumulated: list[torch.Tensor | None] | None = None
         self.fqn = ""
         self.ctx = None  # the root context, set at lazy init
         self.acct = Accounting()
@@ -108,8 +112,9 @@ class Unit:
         self._pf_shard: torch.Tensor | None = None
         self._pf_shard_in_flight: torch.Tensor | None = None
         self._pf_keep: torch.Tensor | None = None
-        self._grad_flat: torch.Tensor | None = None
-        self._grad_dtensors: list[DTensor] | None = None
+        # Sharded gradients the in-flight reduce-scatter writes into directly (fresh each step:
+        # a user may keep last step's gradients, as with torch).
+        self._pending_grads: tuple[torch.Tensor, list[DTensor]] | None = None
 
     # ----------------------------------------------------------------- sharding
     def _local_rows(self, shape: torch.Size) -> int:
@@ -172,8 +177,7 @@ class Unit:
         for i, owner in enumerate(self.owners):
             for mod, name in owner:
                 mod._parameters[name] = params[i]
-        self._grad_flat = None
-        self._grad_dtensors = None
+        self._pending_grads = None
         if self.unsharded_flat is not None and self.unsharded_flat.device != self.device and device.type != "meta":
             self.unsharded_flat = None
             self.unsharded_params = []
@@ -353,23 +357,24 @@ class Unit:
             self._account(-out.numel() * out.element_size())
 
     # -------------------------------------------------------------- gradients
-    def _grad_buffers(self) -> tuple[torch.Tensor, list[DTensor]]:
-        if self._grad_flat is None:
-            flat = torch.zeros(self.total_padded, dtype=self.orig_dtype, device=self.sharded_flat.device)
-            views = self._views(flat)
-            self._grad_flat = flat
-            self._grad_dtensors = [
-                DTensor.from_local(v, self.info.mesh, self.info.placements, run_check=False, shape=sp.shape, stride=sp.stride())
-                for v, sp in zip(views, self.sharded_params)
-            ]
-        return self._grad_flat, self._grad_dtensors
+    def new_grads(self) -> tuple[torch.Tensor, list[DTensor]]:
+        """A fresh flat sharded-gradient buffer and the DTensor gradients viewing it (the
+        DTensors reuse the parameters' specs: no sharding propagation per step)."""
+        flat = torch.empty(self.total_padded, dtype=self.orig_dtype, device=self.sharded_flat.device)
+        grads = [DTensor(v, sp._spec, requires_grad=False) for v, sp in zip(self._views(flat), self.sharded_params)]
+        return flat, grads
+
+    def reduce_in_place_target(self) -> torch.Tensor:
+        """The buffer a reduce-scatter writes straight into; its DTensors become the grads."""
+        self._pending_grads = self.new_grads()
+        return self._pending_grads[0]
 
     def _divide_factors(self) -> tuple[float | None, float | None, object, object]:
         """(pre, post, reduce-scatter op, all-reduce op), as torch FSDP2 picks them."""
         dp = self.world_size * self.info.replicate_size
         overflow_risk = self.reduce_dtype not in (torch.float32, torch.bfloat16)
         factor = self.divide_factor
-        if not overflow_risk:
+        if not overflow_risk and not self.force_sum:
             if factor is None:
                 if dp == 1:
                     return None, None, _ReduceOp.SUM, _ReduceOp.SUM
@@ -398,11 +403,29 @@ class Unit:
             self.finish_reduce()
         if not self.is_unsharded:
             return
-        grads = [p.grad for p in self.unsharded_params]
-        has_grad = [g is not None for g in grads]
-        if self.requires_gradient_sync and any(has_grad):
-            self.ctx.reducer.add(self, grads, has_grad)
-            for p in self.unsharded_params:
+        ups = self.unsharded_params
+        acc = self._accumulated
+        if acc is not None:  # add this micro-batch's gradients to the upcast accumulation
+            for i, p in enumerate(ups):
+                if p.grad is not None and acc[i] is not None:
+                    acc[i] += p.grad
+                    p.grad = None
+        if not self.requires_gradient_sync:
+            rd = self.mp.reduce_dtype
+            if rd is not None:
+                if acc is None:
+                    acc = self._accumulated = [None] * len(ups)
+                for i, p in enumerate(ups):
+                    if p.grad is not None and p.grad.dtype != rd:
+                        acc[i] = p.grad.to(rd)
+                        p.grad = None
+        else:
+            grads = [acc[i] if acc is not None and acc[i] is not None else p.grad for i, p in enumerate(ups)]
+            self._accumulated = None
+            has_grad = [g is not None for g in grads]
+            if any(has_grad):
+                self.ctx.reducer.add(self, grads, has_grad)
+            for p in ups:
                 p.grad = None
         if self.reshard_after_backward:
             self.reshard()
@@ -428,7 +451,8 @@ class Unit:
         """Turns this unit's reduce-scattered flat shard `out` into sharded gradients: HSDP
         all-reduce, division, cast, accumulation."""
         _, post, _, ar_op = self._divide_factors()
-        grad_flat, grad_dtensors = self._grad_buffers()
+        pending, self._pending_grads = self._pending_grads, None
+        grad_flat, grad_dtensors = pending if pending is not None else self.new_grads()
         direct = out is grad_flat
         if self.info.replicate_group is not None:
             if self.partial_reduce is not None:
