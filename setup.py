@@ -65,12 +65,15 @@ def extension():
         f"building CPU and CUDA kernels ({why}); TORCH_CUDA_ARCH_LIST="
         f"{os.environ['TORCH_CUDA_ARCH_LIST']}; extra CUDA include dirs: {incs or 'none'}"
     )
+    # No -std here: torch's cpp_extension adds the standard its headers need (C++20 for
+    # torch >= 2.14, whose headers use std::strong_ordering), for c++ and nvcc alike.
+    cuda_cxx = [f for f in cxx if not f.startswith("-std=")]
     return CUDAExtension(
         "fsdp_native._C",
         sources,
         include_dirs=incs,
         library_dirs=libs,
-        extra_compile_args={"cxx": cxx, "nvcc": opt + ["-std=c++17"]},
+        extra_compile_args={"cxx": cuda_cxx, "nvcc": opt},
         **kwargs,
     )
 

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# CUDA build check (no GPU needed): in a separate venv .venv-cuda holding the CUDA build
+# of torch, compile fsdp_native with its CUDA kernels (sm_90 only, to keep nvcc fast),
+# import the result, and assert through the dispatcher that every fsdp_native op has a
+# CUDA kernel. The build goes to build/cuda-check/, never to fsdp_native/_C*.so, so the
+# CPU build used by .venv is left alone. Exits non-zero on any failure.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv-cuda"
+PY="$VENV/bin/python"
+TORCH_VERSION="${CUDA_CHECK_TORCH_VERSION:-2.14.1}"
+BUILD_BASE="$ROOT/build/cuda-check"
+BUILD_LIB="$BUILD_BASE/lib"
+
+now() { date +%s; }
+t_start=$(now)
+
+# --- 1. venv with the CUDA build of torch (skipped when already set up) ---
+t0=$(now)
+READY="$VENV/.ready-torch-$TORCH_VERSION"
+if [[ ! -f "$READY" ]]; then
+  echo "cuda_check: setting up $VENV with torch==$TORCH_VERSION"
+  [[ -x "$PY" ]] || python3 -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade pip setuptools wheel
+  "$PY" -m pip install -q "torch==$TORCH_VERSION" ninja pybind11 setuptools wheel
+  touch "$READY"
+else
+  echo "cuda_check: $VENV is ready (torch==$TORCH_VERSION)"
+fi
+"$PY" -c 'import torch, sys; assert torch.version.cuda, f"torch {torch.__version__} is not a CUDA build"; print(f"cuda_check: torch {torch.__version__}, CUDA {torch.version.cuda}")'
+t_install=$(( $(now) - t0 ))
+echo "cuda_check: [time] venv: ${t_install}s"
+
+# --- 2. build with the CUDA kernels into build/cuda-check ---
+t0=$(now)
+command -v nvcc >/dev/null || { echo "cuda_check: FAIL: nvcc is not on PATH" >&2; exit 1; }
+# torch.utils.cpp_extension guesses CUDA_HOME as nvcc's grandparent directory, wrong when
+# nvcc on PATH is a wrapper (e.g. /usr/local/bin/nvcc -> -L/usr/local/lib, no libcudart):
+# take the toolkit nvcc itself reports unless CUDA_HOME is set.
+if [[ -z "${CUDA_HOME:-}" ]]; then
+  nvcc_bin=$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -1)
+  [[ -n "$nvcc_bin" ]] && export CUDA_HOME=$(cd "$nvcc_bin/.." && pwd)
+fi
+echo "cuda_check: building with $(nvcc --version | tail -1), CUDA_HOME=${CUDA_HOME:-unset}"
+rm -rf "$BUILD_LIB"  # fresh package copy; objects in $BUILD_BASE/temp are reused by ninja
+FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="${MAX_JOBS:-2}" \
+  "$PY" setup.py -q build --build-base "$BUILD_BASE" --build-lib "$BUILD_LIB" \
+  --build-temp "$BUILD_BASE/temp"
+t_build=$(( $(now) - t0 ))
+echo "cuda_check: [time] build: ${t_build}s"
+
+# --- 3. import it (from the build dir, not the source tree) and check the dispatcher ---
+t0=$(now)
+# -P: the source tree (cwd) is not on sys.path, so fsdp_native comes from $BUILD_LIB.
+PYTHONPATH="$BUILD_LIB" "$PY" -P - "$BUILD_LIB" <<'EOF'
+import os
+import sys
+
+import torch
+
+import fsdp_native
+
+build_lib = sys.argv[1]
+ext = fsdp_native._C.__file__
+assert os.path.realpath(ext).startswith(os.path.realpath(build_lib)), f"imported {ext}, not the build in {build_lib}"
+print(f"cuda_check: imported {ext} (built for torch {fsdp_native._C.torch_version})")
+ok = True
+if fsdp_native._C.with_cuda != 1:
+    print("cuda_check: FAIL: fsdp_native._C was built without CUDA kernels (with_cuda == 0)")
+    ok = False
+
+expected = {"all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out", "stream_wait"}
+ops = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("fsdp_native::"))
+missing = expected - {n.split("::", 1)[1].split(".", 1)[0] for n in ops}
+if missing:
+    print(f"cuda_check: FAIL: ops not registered: {sorted(missing)}")
+    ok = False
+for name in ops:
+    has = torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
+    print(f"cuda_check: {'ok  ' if has else 'FAIL'} {name}: {'has' if has else 'has NO'} CUDA kernel")
+    ok &= has
+sys.exit(0 if ok else 1)
+EOF
+t_check=$(( $(now) - t0 ))
+echo "cuda_check: [time] import+dispatch check: ${t_check}s"
+echo "cuda_check: PASS (total $(( $(now) - t_start ))s: venv ${t_install}s, build ${t_build}s, check ${t_check}s)"
