@@ -1,0 +1,580 @@
+"""Multi-process test harness for the fully_shard test suite.
+
+Design
+------
+* ``run_distributed(fn, world_size, ...)`` spawns ``world_size`` worker processes
+  once (per test function), initialises a gloo process group on a ``FileStore``
+  in a fresh temporary directory and calls ``fn(*args)`` in every worker.
+  Process start-up and ``import torch`` dominate the cost, so a test function
+  should run a whole grid of configurations inside one spawn via ``run_grid``.
+* ``run_grid(configs, body)`` (called inside the workers) runs ``body(**cfg)``
+  for every configuration.  A failing configuration does not stop the grid:
+  each failure is sent to the parent with its traceback, all ranks agree on the
+  outcome through the store (not through the process group, which may be the
+  thing that is broken), and after any failure the process group is torn down
+  and re-created so the next configuration starts from a clean state.
+* Hangs fail instead of stalling CI: the parent joins with a deadline, kills
+  the workers and fails with the configuration each rank was running plus
+  a Python stack dump of every rank (``faulthandler``).  Worker crashes
+  (e.g. a segfault in native code) are reported with their exit code.
+* The implementation under test is selected by ``FSDP_TEST_IMPL``:
+  ``fsdp_native`` (default, what the committed suite tests) or ``torch``
+  (``torch.distributed.fsdp``; used to validate the harness and the tests
+  themselves, where every parity test must pass trivially).
+"""
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import importlib
+import itertools
+import multiprocessing
+import os
+import queue as queue_mod
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+IMPL_ENV = "FSDP_TEST_IMPL"
+DEFAULT_IMPL = "fsdp_native"
+# Default per-test wall-clock limit (seconds) for one spawn, and the gloo timeout.
+DEFAULT_TIMEOUT = float(os.environ.get("FSDP_TEST_TIMEOUT", "240"))
+PG_TIMEOUT = float(os.environ.get("FSDP_TEST_PG_TIMEOUT", "60"))
+# After one rank failed outside a grid or died, how long the others get to finish.
+GRACE_AFTER_FAILURE = 20.0
+
+
+# ---------------------------------------------------------------------------
+# Implementation selection
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Impl:
+    """Handle on one FSDP2 implementation (the one under test, or torch's)."""
+
+    name: str
+    module: Any
+    fully_shard: Callable
+    FSDPModule: type
+    MixedPrecisionPolicy: type
+    CPUOffloadPolicy: type
+    OffloadPolicy: type
+    unsharded_stats: Callable | None = None
+    reset_unsharded_peak: Callable | None = None
+
+    def mp(self, **kw):
+        return self.MixedPrecisionPolicy(**kw)
+
+
+def impl_under_test_name() -> str:
+    return os.environ.get(IMPL_ENV, DEFAULT_IMPL)
+
+
+def load_impl(name: str | None = None) -> Impl:
+    """Import an implementation lazily.  ``name`` is 'fsdp_native' or 'torch'."""
+    name = name or impl_under_test_name()
+    if name == "torch":
+        import torch.distributed.fsdp as m
+
+        return Impl(
+            name="torch",
+            module=m,
+            fully_shard=m.fully_shard,
+            FSDPModule=m.FSDPModule,
+            MixedPrecisionPolicy=m.MixedPrecisionPolicy,
+            CPUOffloadPolicy=m.CPUOffloadPolicy,
+            OffloadPolicy=m.OffloadPolicy,
+            unsharded_stats=_torch_unsharded_stats,
+            reset_unsharded_peak=_torch_reset_unsharded_peak,
+        )
+    if name == "fsdp_native":
+        # A missing module or attribute must fail the test, never skip it.
+        m = importlib.import_module("fsdp_native")
+        missing = [
+            a
+            for a in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy")
+            if not hasattr(m, a)
+        ]
+        if missing:
+            raise AttributeError(f"fsdp_native does not export {missing} (from {m.__file__})")
+        import torch.distributed.fsdp as tm
+
+        return Impl(
+            name="fsdp_native",
+            module=m,
+            fully_shard=m.fully_shard,
+            FSDPModule=m.FSDPModule,
+            MixedPrecisionPolicy=m.MixedPrecisionPolicy,
+            CPUOffloadPolicy=m.CPUOffloadPolicy,
+            OffloadPolicy=getattr(m, "OffloadPolicy", tm.OffloadPolicy),
+            unsharded_stats=getattr(m, "unsharded_stats", None),
+            reset_unsharded_peak=getattr(m, "reset_unsharded_peak", None),
+        )
+    # Any other importable module exposing the same API (e.g. a deliberately
+    # broken wrapper, to check that the tests can fail).
+    m = importlib.import_module(name)
+    return Impl(
+        name=name,
+        module=m,
+        fully_shard=m.fully_shard,
+        FSDPModule=m.FSDPModule,
+        MixedPrecisionPolicy=m.MixedPrecisionPolicy,
+        CPUOffloadPolicy=m.CPUOffloadPolicy,
+        OffloadPolicy=m.OffloadPolicy,
+        unsharded_stats=getattr(m, "unsharded_stats", _torch_unsharded_stats),
+        reset_unsharded_peak=getattr(m, "reset_unsharded_peak", _torch_reset_unsharded_peak),
+    )
+
+
+def ref_impl() -> Impl:
+    """The reference implementation: always torch.distributed.fsdp."""
+    return load_impl("torch")
+
+
+# --- unsharded-memory accounting for torch (harness validation only) -------
+# fsdp_native tracks unsharded bytes itself; for torch we reconstruct the same
+# numbers by wrapping FSDPParamGroup.unshard / reshard.  A group counts as
+# unsharded from the moment its all-gather is issued until it is resharded.
+@dataclasses.dataclass
+class _UnitStats:
+    current_bytes: int = 0
+    peak_bytes: int = 0
+    unsharded_bytes: int = 0
+
+
+@dataclasses.dataclass
+class _Stats:
+    current_bytes: int = 0
+    peak_bytes: int = 0
+    units: dict = dataclasses.field(default_factory=dict)
+
+
+_TORCH_TRACK: dict = {}
+
+
+def _group_unsharded_bytes(group) -> int:
+    total = 0
+    mp_dtype = group.mp_policy.param_dtype
+    for p in group.fsdp_params:
+        d = p.sharded_param.dtype
+        if mp_dtype is not None and d.is_floating_point:
+            d = mp_dtype
+        total += p._orig_size.numel() * torch_dtype_size(d)
+    return total
+
+
+def torch_dtype_size(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _install_torch_tracking():
+    if _TORCH_TRACK.get("installed"):
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    orig_unshard, orig_reshard, orig_to_sharded = (
+        FSDPParamGroup.unshard,
+        FSDPParamGroup.reshard,
+        FSDPParamGroup._to_sharded,
+    )
+    live: dict = {}
+    _TORCH_TRACK.update(installed=True, live=live, peak={}, global_peak=[0])
+
+    def _update():
+        cur = sum(live.values())
+        _TORCH_TRACK["global_peak"][0] = max(_TORCH_TRACK["global_peak"][0], cur)
+        for g, b in live.items():
+            _TORCH_TRACK["peak"][g] = max(_TORCH_TRACK["peak"].get(g, 0), b)
+
+    def unshard(self, async_op=False):
+        orig_unshard(self, async_op)
+        if self._all_gather_result is not None or self.is_unsharded:
+            live[self] = _group_unsharded_bytes(self)
+            _update()
+
+    def reshard(self):
+        orig_reshard(self)
+        if not self.is_unsharded:
+            live.pop(self, None)
+
+    def to_sharded(self):
+        orig_to_sharded(self)
+        live.pop(self, None)
+
+    FSDPParamGroup.unshard = unshard
+    FSDPParamGroup.reshard = reshard
+    FSDPParamGroup._to_sharded = to_sharded
+
+
+def _torch_units(module):
+    from torch.distributed.fsdp import FSDPModule
+
+    units = {}
+    for fqn, m in module.named_modules():
+        if isinstance(m, FSDPModule):
+            units[fqn] = m._get_fsdp_state()._fsdp_param_groups
+    return units
+
+
+def _torch_unsharded_stats(module):
+    _install_torch_tracking()
+    live, peak = _TORCH_TRACK["live"], _TORCH_TRACK["peak"]
+    stats = _Stats()
+    for fqn, groups in _torch_units(module).items():
+        u = _UnitStats()
+        for g in groups:
+            u.current_bytes += live.get(g, 0)
+            u.peak_bytes += peak.get(g, 0)
+            u.unsharded_bytes += _group_unsharded_bytes(g)
+        stats.units[fqn] = u
+    stats.current_bytes = sum(u.current_bytes for u in stats.units.values())
+    stats.peak_bytes = _TORCH_TRACK["global_peak"][0]
+    return stats
+
+
+def _torch_reset_unsharded_peak(module):
+    _install_torch_tracking()
+    # Forget groups of other (earlier) models so they do not count towards the peak.
+    mine = {g for groups in _torch_units(module).values() for g in groups}
+    live = _TORCH_TRACK["live"]
+    for g in [g for g in live if g not in mine]:
+        del live[g]
+    _TORCH_TRACK["peak"] = dict(live)
+    _TORCH_TRACK["global_peak"][0] = sum(live.values())
+
+
+# ---------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    tmpdir: str  # shared by all ranks of this spawn
+    store: Any
+    queue: Any
+    generation: int = 0
+    grid_index: int = 0
+
+
+_CTX: WorkerContext | None = None
+
+
+def ctx() -> WorkerContext:
+    assert _CTX is not None, "only valid inside a worker started by run_distributed"
+    return _CTX
+
+
+def _init_pg(c: WorkerContext) -> None:
+    import torch.distributed as dist
+
+    store = dist.PrefixStore(f"pg{c.generation}", c.store)
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=c.rank,
+        world_size=c.world_size,
+        timeout=timedelta(seconds=PG_TIMEOUT),
+    )
+
+
+def _reinit_pg(c: WorkerContext) -> None:
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # a broken group may fail to tear down; start fresh anyway
+        pass
+    c.generation += 1
+    _init_pg(c)
+
+
+def _fmt_config(cfg: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in cfg.items()) or "<default>"
+
+
+def run_grid(configs: Iterable[dict], body: Callable[..., None], name: str = "") -> None:
+    """Inside a worker: run ``body(**cfg)`` for every configuration.
+
+    Every configuration runs even if an earlier one failed; all failures are
+    reported to the parent, which fails the test listing them.
+    """
+    import torch
+
+    c = ctx()
+    configs = list(configs)
+    for cfg in configs:
+        i = c.grid_index
+        c.grid_index += 1
+        label = (name + ": " if name else "") + _fmt_config(cfg)
+        c.queue.put(("enter", c.rank, label))
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        ok = True
+        try:
+            body(**cfg)
+        except BaseException as e:  # noqa: BLE001 - report everything, incl. KeyboardInterrupt
+            ok = False
+            c.queue.put(("fail", c.rank, label, _format_exc(e), _summary(e)))
+        c.queue.put(("time", c.rank, label, time.perf_counter() - t0))
+        # Agree on the outcome through the store (the process group may be broken).
+        c.store.set(f"grid/{i}/{c.rank}", b"1" if ok else b"0")
+        keys = [f"grid/{i}/{r}" for r in range(c.world_size)]
+        c.store.wait(keys, timedelta(seconds=PG_TIMEOUT + 30))
+        all_ok = all(c.store.get(k) == b"1" for k in keys)
+        if not all_ok:
+            _reinit_pg(c)
+
+
+def _summary(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    if len(text) > limit:
+        text = text[:limit] + " ..."
+    return f"{type(e).__name__}: {text}"
+
+
+def _format_exc(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def _worker_main(rank, world_size, tmpdir, timeout, fn, args, kwargs, q):
+    global _CTX
+    os.environ["OMP_NUM_THREADS"] = "1"
+    stack_file = open(os.path.join(tmpdir, f"stacks_rank{rank}.txt"), "w")
+    faulthandler.enable(file=stack_file, all_threads=True)
+    # Dump all stacks shortly before the parent gives up, so a hang shows where.
+    faulthandler.dump_traceback_later(max(timeout - 8, 1), exit=False, file=stack_file)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
+        _CTX = WorkerContext(rank, world_size, tmpdir, store, q)
+        _init_pg(_CTX)
+        fn(*args, **kwargs)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        q.put(("fail", rank, "<outside grid>", _format_exc(e), _summary(e)))
+        q.put(("done", rank))
+        q.close()
+        q.join_thread()
+        os._exit(1)
+    q.put(("done", rank))
+    q.close()
+    q.join_thread()
+    faulthandler.cancel_dump_traceback_later()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------
+# Parent side
+# ---------------------------------------------------------------------------
+class DistributedTestFailure(AssertionError):
+    pass
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> None:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; raise on any failure.
+
+    ``fn`` must be a module-level function (it is pickled by reference).
+    """
+    timeout = timeout or DEFAULT_TIMEOUT
+    mp = multiprocessing.get_context("spawn")
+    old_omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # children inherit it before importing torch
+    tmp = tempfile.TemporaryDirectory(prefix="fsdp_test_")
+    tmpdir = tmp.name
+    q = mp.Queue()
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = mp.Process(
+                target=_worker_main,
+                args=(rank, world_size, tmpdir, timeout, fn, args, kwargs, q),
+                name=f"{fn.__name__}-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+    finally:
+        if old_omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old_omp
+
+    start = time.monotonic()
+    deadline = start + timeout
+    grace_deadline = None
+    done: set[int] = set()
+    failures: list[tuple[int, str, str]] = []
+    current: dict[int, str] = {}
+    timings: dict[str, float] = {}
+    hung: list[int] = []
+    crashed: dict[int, int] = {}
+
+    def handle(msg):
+        kind = msg[0]
+        if kind == "enter":
+            current[msg[1]] = msg[2]
+        elif kind == "fail":
+            failures.append((msg[1], msg[2], msg[3], msg[4]))
+        elif kind == "time":
+            timings[msg[2]] = max(timings.get(msg[2], 0.0), msg[3])
+        elif kind == "done":
+            done.add(msg[1])
+
+    try:
+        while True:
+            try:
+                handle(q.get(timeout=0.05))
+                continue
+            except queue_mod.Empty:
+                pass
+            now = time.monotonic()
+            for rank, p in enumerate(procs):
+                if not p.is_alive() and rank not in done and rank not in crashed:
+                    # Give the queue feeder a moment: 'done' may still be in flight.
+                    try:
+                        while True:
+                            handle(q.get(timeout=0.5))
+                    except queue_mod.Empty:
+                        pass
+                    if rank not in done:
+                        crashed[rank] = p.exitcode
+                        grace_deadline = grace_deadline or now + GRACE_AFTER_FAILURE
+            if all(not p.is_alive() for p in procs):
+                break
+            if any(f[1] == "<outside grid>" for f in failures) and grace_deadline is None:
+                grace_deadline = now + GRACE_AFTER_FAILURE
+            if now > deadline or (grace_deadline is not None and now > grace_deadline):
+                hung = [r for r, p in enumerate(procs) if p.is_alive()]
+                break
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        try:
+            while True:
+                handle(q.get(timeout=0.1))
+        except queue_mod.Empty:
+            pass
+        elapsed = time.monotonic() - start
+        if os.environ.get("FSDP_TEST_VERBOSE"):
+            sys.stderr.write(f"\n[{fn.__name__}] world_size={world_size} {elapsed:.1f}s\n")
+            for lbl, t in timings.items():
+                sys.stderr.write(f"  {t:6.2f}s  {lbl}\n")
+        if failures or hung or crashed:
+            report = _failure_report(fn, world_size, failures, hung, crashed, current, tmpdir, timeout, elapsed)
+            try:
+                import pytest
+            except ImportError:
+                raise DistributedTestFailure(report) from None
+            pytest.fail(report, pytrace=False)
+    finally:
+        q.close()
+        tmp.cleanup()
+
+
+def _failure_report(fn, world_size, failures, hung, crashed, current, tmpdir, timeout, elapsed) -> str:
+    lines = [f"{fn.__name__} (world_size={world_size}, {elapsed:.0f}s):"]
+    by_label: dict[str, list[tuple[int, str, str]]] = {}
+    for rank, label, tb, summary in failures:
+        by_label.setdefault(label, []).append((rank, tb, summary))
+    if by_label:
+        lines.append(f"{len(by_label)} failing configuration(s):")
+        for label, items in by_label.items():
+            summaries: dict[str, list[int]] = {}
+            for rank, _, summary in items:
+                summaries.setdefault(summary, []).append(rank)
+            for summary, ranks in summaries.items():
+                lines.append(f"  - [{label}] ranks {sorted(ranks)}: {summary}")
+    for rank, code in sorted(crashed.items()):
+        lines.append(
+            f"rank {rank} died with exit code {code} while running [{current.get(rank, '<startup>')}]"
+        )
+    if hung:
+        lines.append(
+            f"TIMEOUT: ranks {hung} still running (limit {timeout:.0f}s, or a peer failed/died); "
+            f"killed. Configuration each rank was in: "
+            + ", ".join(f"rank {r}: [{current.get(r, '<startup>')}]" for r in hung)
+        )
+    # Full tracebacks, one per (configuration, distinct message).
+    for label, items in by_label.items():
+        seen = set()
+        for rank, tb, summary in items:
+            if summary in seen:
+                continue
+            seen.add(summary)
+            lines.append(f"\n==== [{label}] rank {rank} ====\n{tb.rstrip()}")
+    if hung or crashed:
+        for r in sorted(set(hung) | set(crashed)):
+            path = os.path.join(tmpdir, f"stacks_rank{r}.txt")
+            try:
+                with open(path) as f:
+                    dump = f.read().strip()
+            except OSError:
+                dump = ""
+            if dump:
+                lines.append(f"\n==== stack dump rank {r} ====\n{_trim_stack_dump(dump)}")
+    return "\n".join(lines)
+
+
+def _trim_stack_dump(dump: str, max_lines: int = 80) -> str:
+    lines = dump.splitlines()
+    return "\n".join(lines[:max_lines] + (["..."] if len(lines) > max_lines else []))
+
+
+def grid(**axes: Iterable) -> list[dict]:
+    """Cartesian product of the given axes as a list of config dicts."""
+    keys = list(axes)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*(list(axes[k]) for k in keys))]
+
+
+# ---------------------------------------------------------------------------
+# Tensor helpers
+# ---------------------------------------------------------------------------
+def full(t):
+    """A tensor's global value: DTensors are gathered with ``full_tensor()``."""
+    from torch.distributed.tensor import DTensor
+
+    if t is None:
+        return None
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def full_params(model) -> dict:
+    return {n: full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_close(what: str, a, b, tol: dict) -> None:
+    """allclose with a message carrying the magnitude of the mismatch."""
+    import torch
+
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: one side is None (A: {a is None}, other: {b is None})"
+        return
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    a, b = a.float(), b.float()
+    if not torch.allclose(a, b, **tol):
+        diff = (a - b).abs()
+        rel = diff / b.abs().clamp_min(1e-12)
+        raise AssertionError(
+            f"{what}: max abs diff {diff.max().item():.3e}, max rel diff {rel.max().item():.3e} "
+            f"(tol {tol}); A={a.flatten()[:4].tolist()} other={b.flatten()[:4].tolist()}"
+        )
+

@@ -1,0 +1,188 @@
+"""Invalid uses of fully_shard must raise the same exception on every rank, and never hang.
+
+Expected messages (the tests match the argument name; the rest is the suggested wording).
+ValueError = bad value, TypeError = wrong type, NotImplementedError = valid but unsupported.
+
+  conflicting re-application     ValueError   "fully_shard: argument 'reshard_after_forward' is False, but module
+                                              'layers.0' is already sharded with reshard_after_forward=True"
+                                 ValueError   "fully_shard: argument 'mp_policy' is MixedPrecisionPolicy(...), but
+                                              module ... is already sharded with mp_policy=MixedPrecisionPolicy(...)"
+  parameters on cpu and meta     ValueError   "fully_shard: argument 'module' has parameters on mixed devices
+                                              (cpu: 'layers.0.weight', ...; meta: 'layers.1.weight', ...)"
+  3-D mesh                       ValueError   "fully_shard: argument 'mesh' must be a 1-D (FSDP) or 2-D (HSDP)
+                                              DeviceMesh, got a 3-D mesh"
+  mesh of the wrong type         TypeError    "fully_shard: argument 'mesh' must be a DeviceMesh, got str"
+  non-floating param_dtype       ValueError   "fully_shard: argument 'mp_policy.param_dtype' is torch.int32,
+                                              expected a floating dtype"
+  non-floating reduce_dtype      ValueError   "fully_shard: argument 'mp_policy.reduce_dtype' is torch.int64,
+                                              expected a floating dtype"
+  mp_policy of the wrong type    TypeError    "fully_shard: argument 'mp_policy' must be a MixedPrecisionPolicy, got str"
+  param shapes differ by rank    ValueError   "fully_shard: argument 'module' has parameter 'layers.0.weight' of
+                                              shape (9, 8) on rank 1 but (8, 8) on rank 0; parameter shapes must
+                                              match on all ranks"   (raised on EVERY rank: one collective of
+                                              shape metadata, before any parameter collective)
+  offload_policy of wrong type   TypeError    "fully_shard: argument 'offload_policy' must be an OffloadPolicy
+                                              (OffloadPolicy() or CPUOffloadPolicy()), got str"
+  unknown OffloadPolicy subclass NotImplementedError "fully_shard: argument 'offload_policy' of type
+                                              MyOffloadPolicy is not supported; use OffloadPolicy() or
+                                              CPUOffloadPolicy()"
+  reshard_after_forward=3, ws 2  ValueError   "fully_shard: argument 'reshard_after_forward' is 3, expected a bool
+                                              or a divisor of the shard group size 2"
+  reshard_after_forward="yes"    TypeError    "fully_shard: argument 'reshard_after_forward' must be a bool or an
+                                              int, got str"
+  scalar (0-dim) parameter       ValueError   "fully_shard: argument 'module' has a scalar (0-dim) parameter
+                                              'scale'; FSDP shards dim 0, make it a 1-D tensor of size 1"
+  container without forward      ValueError   "fully_shard: argument 'module' is a ModuleList, a container
+                                              without forward; shard its children instead"
+  forward with meta parameters   RuntimeError (at forward, every rank) "... 'layers.0.weight' ... still on the
+                                              meta device; call module.to_empty(...) and initialise them ..."
+
+After each case every rank runs a collective that checks the process group is
+still usable and in step (a rank that hung or issued an extra collective fails it).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from dist_utils import load_impl, run_distributed, run_grid
+from models import MLPStack
+
+
+def _mesh1d():
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _check_group_in_step():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    ws = dist.get_world_size()
+    assert t.item() == ws * (ws + 1) / 2, f"process group out of step after the error: {t.item()}"
+
+
+def _expect(exc_type, pattern, fn, *also_in_message):
+    with pytest.raises(exc_type, match=pattern) as info:
+        fn()
+    msg = str(info.value)
+    for s in also_in_message:
+        assert s in msg, f"{exc_type.__name__} message should mention {s!r}: {msg!r}"
+    return info.value
+
+
+class _ScalarParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def case(name):
+    impl = load_impl()
+    fs = impl.fully_shard
+    mesh = _mesh1d()
+    rank = dist.get_rank()
+
+    if name == "conflicting_reshard_after_forward":
+        m = MLPStack()
+        fs(m.layers[0], mesh=mesh, reshard_after_forward=True)
+        _expect(ValueError, r"reshard_after_forward",
+                lambda: fs(m.layers[0], mesh=mesh, reshard_after_forward=False))
+    elif name == "conflicting_mp_policy":
+        m = MLPStack()
+        fs(m.layers[0], mesh=mesh, mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        _expect(ValueError, r"mp_policy",
+                lambda: fs(m.layers[0], mesh=mesh, mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.float16)))
+    elif name == "mixed_devices":
+        m = MLPStack()
+        m.layers[1].to("meta")
+        _expect(ValueError, r"'module'.*mixed devices|mixed devices.*'module'", lambda: fs(m, mesh=mesh),
+                "cpu", "meta")
+    elif name == "mesh_3d":
+        mesh3 = init_device_mesh("cpu", (1, 1, dist.get_world_size()))
+        _expect(ValueError, r"mesh", lambda: fs(MLPStack(), mesh=mesh3), "3")
+    elif name == "mesh_wrong_type":
+        _expect(TypeError, r"mesh", lambda: fs(MLPStack(), mesh="cpu"))
+    elif name == "param_dtype_int32":
+        _expect(ValueError, r"param_dtype",
+                lambda: fs(MLPStack(), mesh=mesh, mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.int32)),
+                "int32")
+    elif name == "reduce_dtype_int64":
+        _expect(ValueError, r"reduce_dtype",
+                lambda: fs(MLPStack(), mesh=mesh, mp_policy=impl.MixedPrecisionPolicy(reduce_dtype=torch.int64)),
+                "int64")
+    elif name == "mp_policy_wrong_type":
+        _expect(TypeError, r"mp_policy", lambda: fs(MLPStack(), mesh=mesh, mp_policy="bf16"))
+    elif name == "rank_dependent_out_features":
+        m = MLPStack()
+        m.layers[0] = nn.Linear(8, 8 + rank)  # dim 0 of weight and bias differs across ranks
+        _expect(ValueError, r"shape", lambda: fs(m, mesh=mesh), "layers.0.")
+    elif name == "rank_dependent_in_features":
+        m = MLPStack()
+        m.layers[1] = nn.Linear(8 + rank, 8)  # only dim 1 of the weight differs
+        fs(m.layers[2], mesh=mesh)  # a valid unit first
+        _expect(ValueError, r"shape", lambda: fs(m.layers[1], mesh=mesh), "weight")
+    elif name == "offload_policy_wrong_type":
+        _expect(TypeError, r"offload_policy", lambda: fs(MLPStack(), mesh=mesh, offload_policy="cpu"))
+    elif name == "offload_policy_unsupported":
+
+        class MyOffloadPolicy(impl.OffloadPolicy):
+            pass
+
+        _expect(NotImplementedError, r"offload_policy",
+                lambda: fs(MLPStack(), mesh=mesh, offload_policy=MyOffloadPolicy()), "MyOffloadPolicy")
+    elif name == "reshard_after_forward_bad_int":
+        _expect(ValueError, r"reshard_after_forward", lambda: fs(MLPStack(), mesh=mesh, reshard_after_forward=3), "3")
+    elif name == "reshard_after_forward_wrong_type":
+        _expect(TypeError, r"reshard_after_forward",
+                lambda: fs(MLPStack(), mesh=mesh, reshard_after_forward="yes"))
+    elif name == "scalar_param":
+        _expect(ValueError, r"scalar", lambda: fs(_ScalarParam(), mesh=mesh), "scale")
+    elif name == "container_without_forward":
+        _expect(ValueError, r"ModuleList", lambda: fs(nn.ModuleList([nn.Linear(4, 4)]), mesh=mesh))
+    elif name == "forward_with_meta_params":
+        with torch.device("meta"):
+            m = MLPStack()
+        for layer in m.layers:
+            fs(layer, mesh=mesh)
+        fs(m, mesh=mesh)
+        # never materialised: forward must raise on every rank instead of all-gathering
+        _expect(RuntimeError, r"meta", lambda: m(torch.randn(2, 8)))
+    else:
+        raise AssertionError(f"unknown case {name}")
+    _check_group_in_step()
+
+
+CASES = [
+    "conflicting_reshard_after_forward",
+    "conflicting_mp_policy",
+    "mixed_devices",
+    "mesh_3d",
+    "mesh_wrong_type",
+    "param_dtype_int32",
+    "reduce_dtype_int64",
+    "mp_policy_wrong_type",
+    "rank_dependent_out_features",
+    "rank_dependent_in_features",
+    "offload_policy_wrong_type",
+    "offload_policy_unsupported",
+    "reshard_after_forward_bad_int",
+    "reshard_after_forward_wrong_type",
+    "scalar_param",
+    "container_without_forward",
+    "forward_with_meta_params",
+]
+
+
+def _errors_grid():
+    run_grid([dict(name=n) for n in CASES], case, name="errors")
+
+
+def test_invalid_arguments_raise_on_every_rank():
+    run_distributed(_errors_grid, 2, timeout=180)
+
