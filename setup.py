@@ -52,7 +52,9 @@ def extension():
     opt = ["-O0", "-g"] if debug else ["-O3"]
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     macros = [("FSDPN_TORCH_VERSION", f'"{torch.__version__}"')]
-    cxx = opt + ["-std=c++17", "-fopenmp"]
+    # No -std: torch's cpp_extension adds the standard its headers need (C++17 for torch 2.13,
+    # C++20 for 2.14, whose headers use std::strong_ordering), for c++ and nvcc alike.
+    cxx = opt + ["-fopenmp"]
     kwargs: dict = dict(define_macros=macros, extra_link_args=["-fopenmp"])
     if not with_cuda:
         log(f"building CPU kernels only; CUDA skipped because {why}")
@@ -65,15 +67,12 @@ def extension():
         f"building CPU and CUDA kernels ({why}); TORCH_CUDA_ARCH_LIST="
         f"{os.environ['TORCH_CUDA_ARCH_LIST']}; extra CUDA include dirs: {incs or 'none'}"
     )
-    # No -std here: torch's cpp_extension adds the standard its headers need (C++20 for
-    # torch >= 2.14, whose headers use std::strong_ordering), for c++ and nvcc alike.
-    cuda_cxx = [f for f in cxx if not f.startswith("-std=")]
     return CUDAExtension(
         "fsdp_native._C",
         sources,
         include_dirs=incs,
         library_dirs=libs,
-        extra_compile_args={"cxx": cuda_cxx, "nvcc": opt},
+        extra_compile_args={"cxx": cxx, "nvcc": opt},
         **kwargs,
     )
 
