@@ -257,6 +257,7 @@ class WorkerContext:
     tmpdir: str  # shared by all ranks of this spawn
     store: Any
     queue: Any
+    pg_timeout: float = PG_TIMEOUT
     generation: int = 0
     grid_index: int = 0
 
@@ -278,7 +279,7 @@ def _init_pg(c: WorkerContext) -> None:
         store=store,
         rank=c.rank,
         world_size=c.world_size,
-        timeout=timedelta(seconds=PG_TIMEOUT),
+        timeout=timedelta(seconds=c.pg_timeout),
     )
 
 
@@ -325,7 +326,7 @@ def run_grid(configs: Iterable[dict], body: Callable[..., None], name: str = "")
         # Agree on the outcome through the store (the process group may be broken).
         c.store.set(f"grid/{i}/{c.rank}", b"1" if ok else b"0")
         keys = [f"grid/{i}/{r}" for r in range(c.world_size)]
-        c.store.wait(keys, timedelta(seconds=PG_TIMEOUT + 30))
+        c.store.wait(keys, timedelta(seconds=c.pg_timeout + 30))
         all_ok = all(c.store.get(k) == b"1" for k in keys)
         if not all_ok:
             _reinit_pg(c)
@@ -342,20 +343,21 @@ def _format_exc(e: BaseException) -> str:
     return "".join(traceback.format_exception(type(e), e, e.__traceback__))
 
 
-def _worker_main(rank, world_size, tmpdir, timeout, fn, args, kwargs, q):
+def _worker_main(rank, world_size, tmpdir, wall_deadline, pg_timeout, fn, args, kwargs, q):
     global _CTX
     os.environ["OMP_NUM_THREADS"] = "1"
     stack_file = open(os.path.join(tmpdir, f"stacks_rank{rank}.txt"), "w")
     faulthandler.enable(file=stack_file, all_threads=True)
-    # Dump all stacks shortly before the parent gives up, so a hang shows where.
-    faulthandler.dump_traceback_later(max(timeout - 8, 1), exit=False, file=stack_file)
+    # Dump all stacks shortly before the parent gives up (it kills the workers
+    # 2 s after ``wall_deadline``), so a hang shows where it is stuck.
+    faulthandler.dump_traceback_later(max(wall_deadline - time.time() - 2, 1), exit=False, file=stack_file)
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
-        _CTX = WorkerContext(rank, world_size, tmpdir, store, q)
+        _CTX = WorkerContext(rank, world_size, tmpdir, store, q, pg_timeout)
         _init_pg(_CTX)
         fn(*args, **kwargs)
         if dist.is_initialized():
@@ -385,11 +387,14 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout: float | None = None,
+    pg_timeout: float | None = None,
     **kwargs: Any,
 ) -> None:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; raise on any failure.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; fail the test on any failure.
 
     ``fn`` must be a module-level function (it is pickled by reference).
+    ``timeout``: wall-clock limit of the whole spawn; ``pg_timeout``: gloo
+    collective timeout (a collective a peer never joins raises after it).
     """
     timeout = timeout or DEFAULT_TIMEOUT
     mp = multiprocessing.get_context("spawn")
@@ -397,13 +402,14 @@ def run_distributed(
     os.environ["OMP_NUM_THREADS"] = "1"  # children inherit it before importing torch
     tmp = tempfile.TemporaryDirectory(prefix="fsdp_test_")
     tmpdir = tmp.name
+    wall_deadline = time.time() + timeout
     q = mp.Queue()
     procs = []
     try:
         for rank in range(world_size):
             p = mp.Process(
                 target=_worker_main,
-                args=(rank, world_size, tmpdir, timeout, fn, args, kwargs, q),
+                args=(rank, world_size, tmpdir, wall_deadline, pg_timeout or PG_TIMEOUT, fn, args, kwargs, q),
                 name=f"{fn.__name__}-rank{rank}",
                 daemon=True,
             )
@@ -416,7 +422,7 @@ def run_distributed(
             os.environ["OMP_NUM_THREADS"] = old_omp
 
     start = time.monotonic()
-    deadline = start + timeout
+    deadline = start + timeout + 2  # the workers dump their stacks ~4 s before this
     grace_deadline = None
     done: set[int] = set()
     failures: list[tuple[int, str, str]] = []

@@ -42,6 +42,8 @@ still usable and in step (a rank that hung or issued an extra collective fails i
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -186,3 +188,37 @@ def _errors_grid():
 def test_invalid_arguments_raise_on_every_rank():
     run_distributed(_errors_grid, 2, timeout=180)
 
+
+# ---------------------------------------------------------------------------
+# The harness itself: failures, collective timeouts and hangs are reported,
+# never stall the suite.
+# ---------------------------------------------------------------------------
+def _selfcheck_body(kind):
+    rank = dist.get_rank()
+    if kind == "assert_on_rank_1" and rank == 1:
+        raise AssertionError("deliberate failure on rank 1")
+    if kind == "collective_peer_never_joins" and rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins: gloo times out
+    if kind == "healthy_after_failures":
+        _check_group_in_step()  # the group was re-created after the failures
+    if kind == "hang" and rank == 1:
+        time.sleep(3600)
+
+
+def _selfcheck_grid():
+    kinds = ["assert_on_rank_1", "collective_peer_never_joins", "healthy_after_failures", "hang"]
+    run_grid([dict(kind=k) for k in kinds], _selfcheck_body, name="selfcheck")
+
+
+def test_harness_reports_failures_collective_timeouts_and_hangs():
+    t0 = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as info:
+        run_distributed(_selfcheck_grid, 2, timeout=25, pg_timeout=2)
+    assert time.monotonic() - t0 < 60, "the harness did not enforce its timeout"
+    msg = str(info.value)
+    assert "[selfcheck: kind='assert_on_rank_1'] ranks [1]: AssertionError: deliberate failure on rank 1" in msg, msg
+    assert "[selfcheck: kind='collective_peer_never_joins'] ranks [0]" in msg, msg
+    assert "kind='healthy_after_failures'] ranks" not in msg, msg
+    assert "TIMEOUT" in msg and "rank 1: [selfcheck: kind='hang']" in msg, msg
+    assert "stack dump rank 1" in msg and "_selfcheck_body" in msg, msg
+    assert "Traceback" in msg and "deliberate failure on rank 1" in msg
