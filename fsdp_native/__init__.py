@@ -10,6 +10,7 @@ from fsdp_native._fully_shard import (  # noqa: E402
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
 )
 from fsdp_native._timeline import plot_timeline  # noqa: E402
 from fsdp_native._trace import Recorder, record_trace  # noqa: E402
@@ -28,6 +29,7 @@ __all__ = [
     "ops",
     "plot_timeline",
     "record_trace",
+    "share_comm_ctx",
     "register_fsdp_forward_method",
     "reset_unsharded_peak",
     "unsharded_stats",

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_native._api import MixedPrecisionPolicy, OffloadPolicy, normalize_mp_policy, normalize_offload_policy
 from fsdp_native._mesh import default_mesh, mesh_info, post_forward_group
-from fsdp_native._state import lazy_init, post_forward, pre_forward
+from fsdp_native._state import post_forward, pre_forward
 from fsdp_native._unit import Unit
 
 _CLS_CACHE: dict[type, type] = {}
@@ -30,6 +30,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims=None,
 ):
     """Shards ``module``'s parameters (those not already in a unit below it) over ``mesh`` as
     one unit: all-gathered before its forward and backward, gradients reduce-scattered after
@@ -46,6 +47,7 @@ def fully_shard(
         mp_policy: mixed precision (fsdp_native's or torch's ``MixedPrecisionPolicy``).
         offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()`` (fsdp_native's or torch's).
         ignored_params: parameters left unsharded and unreduced.
+        dp_mesh_dims: not supported (SPMD meshes); must be None.
 
     Returns:
         The module, now also an instance of :class:`FSDPModule`.
@@ -62,6 +64,8 @@ def fully_shard(
                 f"fully_shard: argument 'module' is a {type(m).__name__}, a container without forward; "
                 "shard its children instead"
             )
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard: argument 'dp_mesh_dims' is not supported by fsdp_native; pass a 1-D or 2-D data-parallel mesh")
     mp = normalize_mp_policy(mp_policy)
     offload = normalize_offload_policy(offload_policy)
     if not isinstance(reshard_after_forward, (bool, int, type(None))):
@@ -103,12 +107,20 @@ def fully_shard(
         m._fsdp_native_unit = unit
         m.register_forward_pre_hook(functools.partial(_pre_hook, unit), prepend=True, with_kwargs=True)
         m.register_forward_hook(functools.partial(_post_hook, unit), prepend=False)
+        # Like torch: a state dict always holds the sharded DTensor parameters.
+        m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, unit=unit: unit.reshard())
         cls = type(m)
         if not isinstance(m, FSDPModule):
             new_cls = _CLS_CACHE.get(cls)
             if new_cls is None:
                 new_cls = _CLS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_orig_cls_mro_index": 3})
             m.__class__ = new_cls
+    if len(modules) == 1:
+        # Names relative to the outermost module sharded so far (the root, once it is sharded).
+        for name, sub in modules[0].named_modules():
+            sub_unit = getattr(sub, "_fsdp_native_unit", None)
+            if sub_unit is not None:
+                sub_unit.fqn = name
     return module
 
 
@@ -282,8 +294,6 @@ class FSDPModule(_TorchFSDPModule):
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this unit's parameters; with ``async_op`` returns a handle to wait on."""
         unit = self._unit
-        if unit.ctx is None:
-            lazy_init(self)
         unit.issue_all_gather()
         handle = UnshardHandle([unit])
         if async_op:
@@ -416,6 +426,11 @@ def _require_fsdp(m, arg: str) -> FSDPModule:
     if not isinstance(m, FSDPModule):
         raise TypeError(f"argument '{arg}' holds a {type(m).__name__}, expected modules sharded by fsdp_native.fully_shard")
     return m
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Not implemented: fsdp_native shares one communication context per root already."""
+    raise NotImplementedError("fsdp_native: share_comm_ctx is not implemented")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
