@@ -12,7 +12,8 @@ For every config (model x precision) this runs, each in its own fresh processes:
    (A B, then B A, ...) after a warmup. Both copies see the same inputs at the same step, so
    their losses are compared as a sanity check. A step is zero_grad + forward + backward +
    optimizer.step; a barrier (not timed) precedes each step and the step time is the max over
-   ranks. Medians are reported.
+   ranks. Medians are reported, of wall time and of the ranks' process CPU time (all threads),
+   which is less sensitive to other load on the machine.
 2. memory: 2 ranks running only implementation A (then only B), a few steps; peak RSS per rank
    via resource.getrusage(RUSAGE_SELF).ru_maxrss, and its growth over the RSS after importing
    torch and the implementation + init_process_group (before the model is built).
@@ -109,27 +110,36 @@ class Trainer:
         self.cfg, self.rank = cfg, rank
         self.steps = 0
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # process CPU time (all threads) of this rank
+        self.phases: list[tuple[float, float, float]] = []  # zero_grad+forward+loss, backward, optimizer
         self.losses: list[float] = []
 
     def step(self, record: bool) -> None:
         x, target = make_batch(self.cfg, self.rank, self.steps)
         dist.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         out = self.model(x)
         loss = (out.float() - target).pow(2).mean()
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         self.opt.step()
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        dc = time.process_time() - c0
         self.steps += 1
         self.losses.append(loss.item())
         if record:
-            self.times.append(dt)
+            self.times.append(t3 - t0)
+            self.cpu_times.append(dc)
+            self.phases.append((t1 - t0, t2 - t1, t3 - t2))
 
 
 def _init_pg(rank: int, port: int) -> None:
     # torch FSDP2 warns on every step that the root returns a view (the output Linear on 3-D input).
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*", category=FutureWarning)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     dist.init_process_group(
         "gloo",
@@ -165,8 +175,16 @@ def _timing_rank(rank: int, port: int, config: str, impls: list[str], sched, que
             for _ in range(block):
                 tr.step(record=True)
     times = [_max_over_ranks(tr.times) for tr in trainers]
-    if rank == 0:
-        queue.put({"times": times, "losses": [tr.losses for tr in trainers]})
+    cpu_times = [_max_over_ranks(tr.cpu_times) for tr in trainers]
+    if rank == 0:  # phases: rank 0's
+        queue.put(
+            {
+                "times": times,
+                "cpu_times": cpu_times,
+                "phases": [tr.phases for tr in trainers],
+                "losses": [tr.losses for tr in trainers],
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -179,6 +197,38 @@ def _memory_rank(rank: int, port: int, config: str, impl: str, steps: int, queue
     for _ in range(steps):
         tr.step(record=True)
     queue.put({"rank": rank, "peak": rss_mib(), "baseline": baseline})
+    dist.destroy_process_group()
+
+
+def _profile_rank(rank: int, port: int, config: str, impl: str, steps: int, out: str, clock: str, queue) -> None:
+    """Only `impl`; rank 0 runs `steps` steps (after a warmup) under cProfile.
+
+    clock "wall": elapsed time; "thread": CPU time of rank 0's main thread (forward, backward and
+    optimizer kernels and the Python around them; not gloo's threads, not time spent waiting)."""
+    import cProfile
+    import pstats
+
+    cfg, precision = split_config(config)
+    _init_pg(rank, port)
+    tr = Trainer(impl, cfg, precision, rank)
+    for _ in range(3):
+        tr.step(record=False)
+    timer = {"wall": time.perf_counter, "thread": time.thread_time}[clock]
+    prof = cProfile.Profile(timer) if rank == 0 else None
+    if prof is not None:
+        prof.enable()
+    for _ in range(steps):
+        tr.step(record=True)
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(out)
+        for key in ("tottime", "cumulative"):
+            print(f"\n=== rank 0, {impl}, {config}, {steps} steps, {clock} clock, sorted by {key} ===")
+            pstats.Stats(prof).strip_dirs().sort_stats(key).print_stats(30)
+        sys.stdout.flush()
+    times = _max_over_ranks(tr.times)
+    if rank == 0:
+        queue.put({"times": times})
     dist.destroy_process_group()
 
 
@@ -297,6 +347,8 @@ def run_config(config: str, args) -> dict:
     t0 = time.time()
     (timing,) = _run_ranks("_timing_rank", config, impls, sched, n_results=1)
     res["times"] = timing["times"]
+    res["cpu_times"] = timing["cpu_times"]
+    res["phases"] = timing["phases"]
     la, lb = timing["losses"]
     res["loss_first_last"] = [(ls[0], ls[-1]) for ls in timing["losses"]]
     res["max_rel_loss_diff"] = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(la, lb))
@@ -331,6 +383,7 @@ def format_table(results: list[dict]) -> str:
         f"{a} ms/step",
         f"{b} ms/step",
         f"ratio {b}/{a}",
+        f"CPU ms/step {a} / {b} (ratio)",
         "unsharded 1-proc ms/step",
         f"{a} peak RSS/rank MiB",
         f"{b} peak RSS/rank MiB",
@@ -345,6 +398,8 @@ def format_table(results: list[dict]) -> str:
             lo, hi = _iqr_ms(t)
             cells.append(f"{_median_ms(t):.0f} ({lo:.0f}-{hi:.0f})")
         cells.append(f"**{statistics.median(tb) / statistics.median(ta):.2f}**")
+        ca, cb = (statistics.median(c) for c in r["cpu_times"])
+        cells.append(f"{1e3 * ca:.0f} / {1e3 * cb:.0f} ({cb / ca:.2f})")
         ref = r.get("reference")
         cells.append(f"{_median_ms(ref['times']):.0f}" if ref else "-")
         for mem in r.get("memory", [None, None]):
@@ -356,6 +411,21 @@ def format_table(results: list[dict]) -> str:
                 cells.append(f"{peaks} ({growth})")
         cells.append(f"{r['max_rel_loss_diff']:.1e}")
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_phase_table(results: list[dict]) -> str:
+    impls = results[0]["impls"]
+    head = ["model", "precision", "implementation", "forward ms", "backward ms", "optimizer ms", "step ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        model, precision = r["config"].rsplit("-", 1)
+        for i, phases in enumerate(r["phases"]):
+            cols = [_median_ms([p[j] for p in phases]) for j in range(3)]
+            total = _median_ms([sum(p) for p in phases])
+            lines.append(
+                "| " + " | ".join([model, precision, _label(impls, i), *(f"{c:.0f}" for c in cols), f"{total:.0f}"]) + " |"
+            )
     return "\n".join(lines)
 
 
@@ -371,6 +441,8 @@ def describe_run(results: list[dict], argv: list[str]) -> str:
         f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/bench_step.py', *argv])}`\n"
         f"Schedule: {sched}.\n"
         "Cells: median step time (interquartile range) over the measured steps, max over ranks; "
+        "median CPU time per step (process CPU time of a rank, all its threads; max over ranks), "
+        "less sensitive than wall time to other load on the machine; "
         "peak RSS per rank r0 / r1 (growth over the RSS after importing torch and the implementation + init_process_group), "
         "each implementation in its own processes."
     )
@@ -397,7 +469,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-memory", action="store_true", help="skip the per-implementation RSS runs")
     p.add_argument("--no-reference", action="store_true", help="skip the unsharded single-process reference")
     p.add_argument("--json", help="also write the raw results (all step times) to this file")
+    p.add_argument(
+        "--profile",
+        metavar="IMPL",
+        help="instead of the comparison: run only IMPL on the first --configs entry, cProfile rank 0, "
+        "print the top functions and write the profile to --profile-out",
+    )
+    p.add_argument("--profile-steps", type=int, default=10)
+    p.add_argument("--profile-out", default="step.prof")
+    p.add_argument("--profile-clock", choices=["wall", "thread"], default="wall")
     args = p.parse_args(argv)
+
+    if args.profile:
+        load_impl(args.profile)
+        config = args.configs[0]
+        (res,) = _run_ranks(
+            "_profile_rank",
+            config,
+            args.profile,
+            args.profile_steps,
+            args.profile_out,
+            args.profile_clock,
+            n_results=1,
+        )
+        print(f"{args.profile} {config}: median {_median_ms(res['times']):.0f} ms/step under cProfile; "
+              f"profile written to {args.profile_out}")
+        return
 
     for impl in {args.impl_a, args.impl_b}:
         load_impl(impl)  # fail early, in the launcher
@@ -410,6 +507,10 @@ def main(argv: list[str] | None = None) -> None:
     print(describe_run(results, argv))
     print()
     print(format_table(results))
+    print()
+    print("Phases (rank 0, medians; forward includes zero_grad and the loss):")
+    print()
+    print(format_phase_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": argv, "results": results}, f, indent=1)

@@ -109,6 +109,12 @@ class TrainState(Stateful):
         self.step = int(state_dict["step"])
 
 
+def show_path(path: str) -> str:
+    """Relative to the repository root when inside it."""
+    rel = os.path.relpath(path, REPO_ROOT)
+    return path if rel.startswith("..") else rel
+
+
 def has_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
@@ -221,6 +227,8 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # torch FSDP2, on the logits
+    # c10d's renamed collectives (all_gather_into_tensor -> all_gather_single, ...), once per process
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*", category=FutureWarning)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -245,9 +253,9 @@ def main(argv=None) -> None:
     if not args.fresh and has_checkpoint(args.ckpt_dir):
         dcp.load({"train": state}, checkpoint_id=args.ckpt_dir)
         if is_main:
-            print(f"resumed from step {state.step} ({os.path.relpath(args.ckpt_dir, REPO_ROOT)})", flush=True)
+            print(f"resumed from step {state.step} ({show_path(args.ckpt_dir)})", flush=True)
     elif is_main:
-        print(f"no checkpoint at {os.path.relpath(args.ckpt_dir, REPO_ROOT)}: starting from step 0", flush=True)
+        print(f"no checkpoint at {show_path(args.ckpt_dir)}: starting from step 0", flush=True)
 
     start = state.step
     bar = None
@@ -302,7 +310,7 @@ def main(argv=None) -> None:
                 final_loss=losses[-1] if losses else math.nan,
                 step_times=times,
                 peak_unsharded_bytes=run_peak,
-                checkpoint_path=os.path.relpath(args.ckpt_dir, REPO_ROOT)
+                checkpoint_path=show_path(args.ckpt_dir)
                 + ("" if not args.no_save else " (not saved: --no-save)"),
                 model=model,
             )
