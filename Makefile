@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q ninja pybind11 pytest pytest-benchmark pytest-timeout hypothesis expecttest numpy tqdm matplotlib triton==3.6.*
+	$(PIP) install -q ninja pybind11 pytest pytest-benchmark pytest-timeout hypothesis expecttest numpy tqdm matplotlib
 	touch $@
 
 venv: .venv/.ready
@@ -29,6 +29,10 @@ bench-step: build
 
 bench-ops: build
 	$(PY) -m pytest -q benchmarks/bench_ops.py --benchmark-only
+
+.PHONY: bench-overlap
+bench-overlap: build
+	bash scripts/overlap.sh
 
 cuda-check:
 	bash .ci/cuda_check.sh

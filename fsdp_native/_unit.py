@@ -241,10 +241,14 @@ class Unit:
                 "meta device; call module.to_empty(device=...) and initialise them before forward"
             )
         ws, S = self.world_size, self.total_padded
-        if self._pf_shard is not None:
+        if self._pf_shard is not None:  # backward all-gather within the post-forward group
             group, size, _ = self.post_forward
+            rec = _trace.active
+            t0 = _trace.now_us() if rec is not None else 0.0
             out = torch.empty(ws * S, dtype=self.param_dtype, device=self.device)
             work = dist.all_gather_into_tensor(out, self._pf_shard, group=group, async_op=True)
+            if rec is not None:
+                rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel() * out.element_size(), group_size=size)
             self._pf_shard_in_flight = self._pf_shard
             self._pf_shard = None
             self._account(out.numel() * out.element_size())

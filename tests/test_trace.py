@@ -306,11 +306,6 @@ def test_trace_hsdp_2x2():
     run_distributed(_hsdp, 4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime bug: Unit.issue_all_gather's post-forward-shard branch (int reshard_after_forward) "
-    "returns before recording, so backward all-gathers of such units are missing from the trace and bytes_summary",
-)
 def test_trace_int_reshard_after_forward():
     run_distributed(_int_reshard, 4)
 
