@@ -14,6 +14,13 @@ from fsdp_native import _trace, ops
 from fsdp_native._unit import Unit, _empty
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def reduces_by_all_reduce(group: dist.ProcessGroup) -> bool:
+    """gloo's reduce-scatter clones its whole input synchronously and then all-reduces it; an
+    asynchronous in-place all-reduce of our own buffer moves the same bytes without the clone."""
+    return dist.get_backend(group) == "gloo"
 
 
 class Bucket:
@@ -40,7 +47,9 @@ class Bucket:
             grads += [g if g is not None else empty for g in gs]
         total = sum(u.total_padded for u, _, _ in self.entries)
         out = None
-        if len(self.entries) == 1 and first.can_reduce_in_place(self.entries[0][2]):
+        group = first.info.shard_group
+        by_all_reduce = ws > 1 and reduces_by_all_reduce(group)
+        if len(self.entries) == 1 and not by_all_reduce and first.can_reduce_in_place(self.entries[0][2]):
             out = first.reduce_in_place_target()
         if ws == 1:
             out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
@@ -57,6 +66,8 @@ class Bucket:
             ops.reduce_scatter_copy_in(grads, padded, ws, rs_in)
             if pre is not None:
                 rs_in.div_(pre)
+            if by_all_reduce:
+                out = rs_in.narrow(0, first.rank * total, total)  # valid once the all-reduce is done
             self.out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
         st.wait(rs_in, st.compute, st.reduce_scatter)  # the unsharded gradients may be freed now
         self.rs_in = rs_in
@@ -66,10 +77,13 @@ class Bucket:
             rec.span("reduce_scatter_copy_in", "copy", names, t0, t1)
             t0 = t1
         with st.use(st.reduce_scatter):
-            self.work = dist.reduce_scatter_tensor(self.out, rs_in, op=rs_op, group=first.info.shard_group, async_op=True)
+            if by_all_reduce:
+                self.work = dist.all_reduce(rs_in, op=rs_op, group=group, async_op=True)
+            else:
+                self.work = _reduce_scatter(self.out, rs_in, op=rs_op, group=group, async_op=True)
         if rec is not None:
             per_unit = {u.fqn: u.total_padded * ws * dtype.itemsize for u, _, _ in self.entries}
-            rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit)
+            rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit, via="all_reduce" if by_all_reduce else "reduce_scatter")
 
     def finish(self) -> None:
         st = self.entries[0][0].streams
@@ -83,7 +97,6 @@ class Bucket:
                 rec.span("wait_reduce_scatter", "stall", "+".join(u.fqn or "root" for u, _, _ in self.entries), t0, _trace.now_us())
             self.work = None
             st.wait(self.out, st.compute, st.reduce_scatter)
-        self.rs_in = None
         offset = 0
         for unit, _, has_grad in self.entries:
             unit.pending_rs = None
@@ -91,9 +104,10 @@ class Bucket:
             out = self.out if len(self.entries) == 1 else self.out.narrow(0, offset, n)
             unit.take_reduced(out, has_grad)
             offset += n
-        st.wait(self.out, st.reduce_scatter, st.compute)  # release the output after its last use
+        st.wait(self.out, st.reduce_scatter, st.compute)  # release the buffers after their last use
         self.entries = []
         self.out = None
+        self.rs_in = None
 
 
 class Reducer:

@@ -23,6 +23,7 @@ class RootContext:
         self.in_backward = False
         self.callback_queued = False
         self.forward_order: list[Unit] = []
+        self.last_forward: Unit | None = units[-1] if units else None
         self.next_forward: dict[Unit, Unit] = {}
         self.prev_forward: dict[Unit, Unit] = {}
         self._set_order(units)
@@ -56,9 +57,9 @@ class RootContext:
     def end_forward(self) -> None:
         if self.forward_order:
             self._set_order(self.forward_order)
-        for u in self.units:
-            if not u.is_unsharded or u.reshard_after_forward:
-                u.release_pending()
+        for u in self.units:  # prefetched all-gathers that no forward used
+            u.release_pending()
+        self.last_forward = self.forward_order[-1] if self.forward_order else None
 
     def begin_backward(self) -> None:
         if self.in_backward:
@@ -120,7 +121,7 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
     prefetch = unit.forward_prefetch
     if prefetch is None:
         nxt = ctx.next_forward.get(unit)
-        prefetch = (nxt,) if nxt is not None and nxt.reshard_after_forward else ()
+        prefetch = (nxt,) if nxt is not None and not nxt.is_unsharded else ()
     for other in prefetch:
         other.issue_all_gather()
     mp = unit.mp
@@ -148,7 +149,11 @@ def post_forward(unit: Unit, module: nn.Module, args, output):
         rec.span("forward", "compute", unit.fqn, unit._t_compute, _trace.now_us())
         unit._t_compute = None
     if unit.reshard_after_forward:
-        unit.reshard(after_forward=True)
+        # The last unit of the forward is the first of the backward: it is resharded (the
+        # sharded parameters are registered, as torch does) but keeps its unsharded data for
+        # the backward, which would all-gather it again at once.
+        keep = unit is ctx.last_forward and torch.is_grad_enabled()
+        unit.reshard(after_forward=True, keep_data=keep)
     if unit.mp.output_dtype is not None:
         output = _cast_floats(output, unit.mp.output_dtype)
     if torch.is_grad_enabled():

@@ -42,7 +42,9 @@ class Recorder:
         self.step = -1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._lock = threading.Lock()  # collective-completion callbacks run on comm threads
-        self.t0 = now_us()
+        # Chrome timestamps are wall-clock microseconds, so traces of different ranks (and hosts
+        # with synchronised clocks) line up; spans are timed with the monotonic perf counter.
+        self.t0 = now_us() - time.time_ns() / 1e3
 
     # -- recording (runtime call sites) ------------------------------------------------
     def begin_step(self) -> None:

@@ -287,7 +287,11 @@ def check_unsharded_memory(reshard, prefetch=False, ac=False, mp=None, n_layers=
         assert s0.peak_bytes == s0.current_bytes == 0, f"step {step}: after reset peak={s0.peak_bytes}"
         loss = lm_loss(model(x), y)
         s = impl.unsharded_stats(model)
-        after_fwd = {True: 0, None: root, False: total}[reshard]
+        # The last unit of the forward keeps its unsharded data for the backward, which starts
+        # with it (its sharded parameters are registered, as with torch); every other unit with
+        # reshard_after_forward=True has freed its unsharded parameters.
+        last = unit_bytes[f"layers.{n_layers - 1}"]
+        after_fwd = {True: last, None: root + last, False: total}[reshard]
         assert s.current_bytes == after_fwd, (
             f"reshard_after_forward={reshard!r}: {s.current_bytes} bytes unsharded after forward, expected "
             f"{after_fwd} (root {root}, total {total})"
@@ -314,6 +318,26 @@ def check_unsharded_memory(reshard, prefetch=False, ac=False, mp=None, n_layers=
         assert impl.unsharded_stats(model).current_bytes == 0
 
 
+def check_modified_between_forward_and_backward():
+    """The last unit keeps its unsharded data from forward to backward; writing its sharded
+    parameters in between must still be seen by the backward, as with torch (which re-gathers)."""
+    impl, timpl = load_impl(), ref_impl()
+    cfg = Cfg(reshard=True)
+    mesh = make_mesh(cfg)
+    x, y = _batch(cfg)
+    grads = []
+    for lib in (impl, timpl):
+        model = build_fsdp(lib, cfg, mesh)
+        loss = lm_loss(model(x), y)
+        with torch.no_grad():
+            for p in model.layers[-1].parameters():
+                p.mul_(1.5)
+        loss.backward()
+        grads.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+    for n in grads[1]:
+        assert_close(f"grad of {n!r} with the last block scaled between forward and backward", grads[0][n], grads[1][n], dict(rtol=1e-6, atol=1e-6))
+
+
 def check(kind: str, **kw):
     {
         "isinstance": check_isinstance_and_return,
@@ -324,6 +348,7 @@ def check(kind: str, **kw):
         "torch_policies": check_torch_policy_objects,
         "forward_method": check_register_fsdp_forward_method,
         "memory": check_unsharded_memory,
+        "modified_between": check_modified_between_forward_and_backward,
     }[kind](**kw)
 
 
@@ -345,6 +370,7 @@ def _api_grid():
         dict(kind="memory", reshard=True, mp="bf16", prefetch=True),
         dict(kind="memory", reshard=None),
         dict(kind="memory", reshard=False),
+        dict(kind="modified_between"),
     ]
     run_grid(configs, check, name="api")
 
