@@ -61,7 +61,7 @@ ALL_CONFIG_NAMES = [f"{m}-{p}" for m in MODEL_CONFIGS for p in ("fp32", "bf16")]
 # (warmup steps per impl, measured steps per impl, steps per alternation block)
 SCHEDULE = {
     "overhead": {"full": (5, 40, 2), "quick": (2, 10, 2)},
-    "compute": {"full": (2, 10, 1), "quick": (1, 3, 1)},
+    "compute": {"full": (2, 16, 1), "quick": (1, 3, 1)},
 }
 MEMORY_STEPS = {"full": 3, "quick": 2}
 LR = 1e-3
@@ -340,7 +340,12 @@ def _iqr_ms(xs: list[float]) -> tuple[float, float]:
 def run_config(config: str, args) -> dict:
     cfg, _ = split_config(config)
     mode = "quick" if args.quick else "full"
-    sched = SCHEDULE[cfg.name][mode]
+    warmup, measured, block = SCHEDULE[cfg.name][mode]
+    sched = (
+        warmup if args.warmup is None else args.warmup,
+        measured if args.steps is None else args.steps,
+        block,
+    )
     impls = [args.impl_a, args.impl_b]
     res: dict = {"config": config, "impls": impls, "schedule": sched}
 
@@ -466,6 +471,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--impl-b", default="fsdp_native", help="implementation under test (default: fsdp_native)")
     p.add_argument("--configs", nargs="+", default=CONFIG_NAMES, choices=ALL_CONFIG_NAMES)
     p.add_argument("--quick", action="store_true", help="fewer steps")
+    p.add_argument("--steps", type=int, help="measured steps per implementation (overrides the schedule)")
+    p.add_argument("--warmup", type=int, help="warmup steps per implementation (overrides the schedule)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-implementation RSS runs")
     p.add_argument("--no-reference", action="store_true", help="skip the unsharded single-process reference")
     p.add_argument("--json", help="also write the raw results (all step times) to this file")
