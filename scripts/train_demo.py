@@ -16,6 +16,7 @@ run resumes from there and trains --steps more steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -181,6 +182,29 @@ class DemoSummary:
     extra: dict = dataclasses.field(default_factory=dict)
 
 
+TRACE_STEPS = 10
+
+
+def comm_summary(recorder, step_times: list[float]) -> dict:
+    """Per-step bytes of each collective and exposed communication (time the training thread
+    waited on communication) over the traced steps, from rank 0's recorder."""
+    per_step = recorder.bytes_summary()
+    n = max(len(per_step), 1)
+    totals: dict[str, int] = {}
+    for units in per_step.values():
+        for by_kind in units.values():
+            for kind, nbytes in by_kind.items():
+                totals[kind] = totals.get(kind, 0) + nbytes
+    moved = ", ".join(f"{kind} {fmt_bytes(nbytes / n)}" for kind, nbytes in sorted(totals.items()))
+    stall_ms = recorder.stall_us() / 1e3 / n
+    step_ms = 1e3 * statistics.fmean(step_times) if step_times else math.nan
+    return {
+        f"communication per step (rank 0, last {n} steps)": moved or "none",
+        "exposed communication per step": f"{stall_ms:.1f} ms of {step_ms:.1f} ms ({100 * stall_ms / step_ms:.0f}%: "
+        "compute waiting on all-gathers and reduce-scatters)",
+    }
+
+
 def print_summary(summary: DemoSummary) -> None:
     """Printed by rank 0 at the end of a run.
 
@@ -266,7 +290,16 @@ def main(argv=None) -> None:
     times: list[float] = []
     losses: list[float] = []
     run_peak = None
+    # The last steps run under fsdp_native's recorder: bytes moved and time compute waited on
+    # communication, for the summary (torch FSDP2 has no recorder).
+    traced_from = start + max(0, args.steps - TRACE_STEPS)
+    tracing = contextlib.ExitStack()
+    recorder = None
     for step in range(start, start + args.steps):
+        if step == traced_from and args.impl == "fsdp_native":
+            import fsdp_native
+
+            recorder = tracing.enter_context(fsdp_native.record_trace())
         inputs, targets = copy_batch(step, rank, args.batch, args.half, args.vocab)
         if reset_peak is not None:
             reset_peak(model)
@@ -294,6 +327,7 @@ def main(argv=None) -> None:
                 refresh=False,
             )
             bar.update(1)
+    tracing.close()
     if bar is not None:
         bar.close()
 
@@ -313,6 +347,7 @@ def main(argv=None) -> None:
                 checkpoint_path=show_path(args.ckpt_dir)
                 + ("" if not args.no_save else " (not saved: --no-save)"),
                 model=model,
+                extra=comm_summary(recorder, times[traced_from - start :]) if recorder is not None else {},
             )
         )
     dist.destroy_process_group()
