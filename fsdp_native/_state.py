@@ -107,6 +107,16 @@ def _cast_floats(tree, dtype: torch.dtype):
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
+def _prefetch(explicit: list[Unit] | None, neighbour: Unit | None, backward: bool = False) -> None:
+    """Issues the all-gathers of the units to prefetch: the explicit list if one was set, else
+    the neighbour in the recorded forward order (implicit prefetch, depth 1)."""
+    if explicit is None:
+        explicit = (neighbour,) if neighbour is not None and not neighbour.is_unsharded else ()
+    for other in explicit:
+        if not backward or other.unshard_in_backward:
+            other.issue_all_gather()
+
+
 def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
     ctx: RootContext | None = unit.ctx
     if ctx is None:
@@ -118,12 +128,7 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
         ctx.begin_forward()
     ctx.forward_order.append(unit)
     unit.unshard()
-    prefetch = unit.forward_prefetch
-    if prefetch is None:
-        nxt = ctx.next_forward.get(unit)
-        prefetch = (nxt,) if nxt is not None and not nxt.is_unsharded else ()
-    for other in prefetch:
-        other.issue_all_gather()
+    _prefetch(unit.forward_prefetch, ctx.next_forward.get(unit))
     mp = unit.mp
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -172,13 +177,7 @@ def pre_backward(unit: Unit) -> None:
     unit.needs_post_backward = True
     if unit.unshard_in_backward:
         unit.unshard()
-    prefetch = unit.backward_prefetch
-    if prefetch is None:
-        prev = ctx.prev_forward.get(unit)
-        prefetch = (prev,) if prev is not None and not prev.is_unsharded else ()
-    for other in prefetch:
-        if other.unshard_in_backward:
-            other.issue_all_gather()
+    _prefetch(unit.backward_prefetch, ctx.prev_forward.get(unit), backward=True)
     if _trace.active is not None:
         unit._t_compute = _trace.now_us()
 

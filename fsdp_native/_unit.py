@@ -111,7 +111,7 @@ class Unit:
         self.needs_post_backward = False
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None
-        self._pf_shard_in_flight: torch.Tensor | None = None
+        self._pf_shard_in_flight: torch.Tensor | None = None  # input of an in-flight all-gather: kept alive
         self._pf_keep: torch.Tensor | None = None
         # Version of the sharded buffer when resharding kept the unsharded data (-1: not kept).
         self._kept_version = -1
