@@ -233,10 +233,10 @@ def _check_shapes_across_ranks(params, names, info) -> None:
         device = info.device
         if device.type != "cpu":
             t, out = mine.to(device), table.to(device)
-            dist.all_gather_into_tensor(out, t, group=group)
+            dist.all_gather_single(out, t, group=group)
             table = out.cpu()
         else:
-            dist.all_gather_into_tensor(table, mine, group=group)
+            dist.all_gather_single(table, mine, group=group)
         table = table.view(-1, 3)
         if not bool((table == mine).all()):
             # Every rank saw the same table, so every rank takes this branch: gather the details.

@@ -14,7 +14,6 @@ from fsdp_native import _trace, ops
 from fsdp_native._unit import Unit, _empty
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def reduces_by_all_reduce(group: dist.ProcessGroup) -> bool:
@@ -80,7 +79,7 @@ class Bucket:
             if by_all_reduce:
                 self.work = dist.all_reduce(rs_in, op=rs_op, group=group, async_op=True)
             else:
-                self.work = _reduce_scatter(self.out, rs_in, op=rs_op, group=group, async_op=True)
+                self.work = dist.reduce_scatter_single(self.out, rs_in, op=rs_op, group=group, async_op=True)
         if rec is not None:
             per_unit = {u.fqn: u.total_padded * ws * dtype.itemsize for u, _, _ in self.entries}
             rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit, via="all_reduce" if by_all_reduce else "reduce_scatter")

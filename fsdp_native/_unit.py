@@ -24,7 +24,6 @@ from fsdp_native._mesh import MeshInfo
 from fsdp_native._streams import streams_for
 
 _ReduceOp = dist.ReduceOp
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Accounting:
@@ -252,7 +251,7 @@ class Unit:
             rec = _trace.active
             t0 = _trace.now_us() if rec is not None else 0.0
             out = torch.empty(ws * S, dtype=self.param_dtype, device=self.device)
-            work = _all_gather(out, self._pf_shard, group=group, async_op=True)
+            work = dist.all_gather_single(out, self._pf_shard, group=group, async_op=True)
             if rec is not None:
                 rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel() * out.element_size(), group_size=size)
             self._pf_shard_in_flight = self._pf_shard
@@ -289,7 +288,7 @@ class Unit:
                     out.copy_(inp)
                 work = None
             else:
-                work = _all_gather(out, inp, group=self.info.shard_group, async_op=True)
+                work = dist.all_gather_single(out, inp, group=self.info.shard_group, async_op=True)
         if rec is not None:
             rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel() * out.element_size())
         self.pending_ag = (work, out)
