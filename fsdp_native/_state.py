@@ -40,10 +40,7 @@ class RootContext:
         self.acct.peak = max(self.acct.current, max((u.acct.peak for u in units), default=0))
 
     def _set_order(self, order: list[Unit]) -> None:
-        seen: list[Unit] = []
-        for u in order:
-            if u not in seen:
-                seen.append(u)
+        seen = list(dict.fromkeys(order))  # first occurrences, in order
         self.next_forward = {a: b for a, b in zip(seen, seen[1:])}
         self.prev_forward = {b: a for a, b in zip(seen, seen[1:])}
 
@@ -73,13 +70,10 @@ class RootContext:
         """Runs once autograd finished: post-backward for units autograd did not reach through
         their inputs (the root, most often), then every pending reduction completes."""
         self.callback_queued = False
-        order = self.forward_order or self.units
-        done: set[Unit] = set()
-        for u in reversed(order):
-            if u not in done:
-                done.add(u)
-                u.post_backward()
-        for u in self.units:
+        # Reverse forward order first (the order the backward would have reached them), then any
+        # other unit; post_backward is a no-op for units already done. Every rank runs the same
+        # order, so the reductions it issues match.
+        for u in [*reversed(self.forward_order), *self.units]:
             u.post_backward()
         self.reducer.finish_all()
         for u in self.units:
