@@ -485,13 +485,12 @@ class Unit:
         all-reduce, division, cast, accumulation."""
         _, post, _, ar_op = self._divide_factors()
         pending, self._pending_grads = self._pending_grads, None
-        grad_flat, grad_dtensors = pending if pending is not None else self.new_grads()
-        direct = out is grad_flat
+        direct = pending is not None and out is pending[0]
         if self.info.replicate_group is not None:
             if self.partial_reduce is not None:
                 out = out + self.partial_reduce if direct else out.add_(self.partial_reduce)
                 self.partial_reduce = None
-                direct = out is grad_flat
+                direct = False
             if not self.requires_all_reduce:
                 self.partial_reduce = out.clone() if direct else out
                 return
@@ -504,14 +503,18 @@ class Unit:
         if direct:
             if post is not None:
                 out.div_(post)
-            for sp, g, h in zip(sps, grad_dtensors, has_grad):
+            for sp, g, h in zip(sps, pending[1], has_grad):
                 if h:
                     sp.grad = g
             return
-        if out.device != grad_flat.device:
-            out = out.to(grad_flat.device)
+        device = self.sharded_flat.device
+        if out.device != device:
+            out = out.to(device)
         factor = post if post is not None else 1.0
         accumulate = any(sp.grad is not None for sp, h in zip(sps, has_grad) if h)
+        # Fresh gradient buffers only where a parameter gets its first gradient.
+        needs_fresh = not accumulate or any(h and sp.grad is None for sp, h in zip(sps, has_grad))
+        grad_dtensors = (pending[1] if pending is not None else self.new_grads()[1]) if needs_fresh else None
         if not accumulate:
             ops.reduce_scatter_copy_out(out, self.padded, [g._local_tensor for g in grad_dtensors], divide_factor=factor)
             for sp, g, h in zip(sps, grad_dtensors, has_grad):
@@ -519,10 +522,11 @@ class Unit:
                     sp.grad = g
             return
         targets = []
-        for sp, g, h in zip(sps, grad_dtensors, has_grad):
+        for i, (sp, h) in enumerate(zip(sps, has_grad)):
             if not h:
-                targets.append(_empty(self.orig_dtype, grad_flat.device))
+                targets.append(_empty(self.orig_dtype, device))
             elif sp.grad is None:
+                g = grad_dtensors[i]
                 g._local_tensor.zero_()
                 sp.grad = g
                 targets.append(g._local_tensor)
