@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_native import _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy
+from fsdp_native._dtensor import make_sharded
 from fsdp_native._mesh import MeshInfo
 from fsdp_native._streams import streams_for
 
@@ -135,10 +136,10 @@ class Unit:
                 if not p.is_meta and view.numel():
                     start = self.rank * self.padded[i]
                     view.copy_(p.detach().reshape(-1)[start : start + view.numel()].view_as(view))
-                dt = DTensor.from_local(
+                spec = DTensor.from_local(
                     view, self.info.mesh, self.info.placements, run_check=False, shape=p.shape, stride=p.stride()
-                )
-                sp = nn.Parameter(dt, requires_grad=p.requires_grad)
+                )._spec
+                sp = nn.Parameter(make_sharded(view, spec), requires_grad=p.requires_grad)
                 sp._local_tensor = view  # Parameter() detached a copy of the wrapper: point it back at our view
                 self.sharded_params.append(sp)
                 for mod, name in self.owners[i]:
@@ -394,7 +395,7 @@ class Unit:
         """A fresh flat sharded-gradient buffer and the DTensor gradients viewing it (the
         DTensors reuse the parameters' specs: no sharding propagation per step)."""
         flat = torch.empty(self.total_padded, dtype=self.orig_dtype, device=self.sharded_flat.device)
-        grads = [DTensor(v, sp._spec, requires_grad=False) for v, sp in zip(self._views(flat), self.sharded_params)]
+        grads = [make_sharded(v, sp._spec) for v, sp in zip(self._views(flat), self.sharded_params)]
         return flat, grads
 
     def reduce_in_place_target(self) -> torch.Tensor:

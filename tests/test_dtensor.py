@@ -1,0 +1,229 @@
+"""The DTensor type of fsdp_native's sharded parameters (``fsdp_native._dtensor.ShardedDTensor``).
+
+* Every op, on the elementwise fast path or handed to DTensor, gives bitwise the result (values,
+  shape, placements) that a plain DTensor with the same local tensor and spec gives.
+* In-place ops that change the spec (``squeeze_``) keep the ShardedDTensor consistent.
+* ``torch.save`` of ``model.state_dict()`` and ``optimizer.state_dict()`` works (the locals view
+  a flat buffer at non-zero offsets) and loads with ``weights_only=True`` as plain DTensors whose
+  shards equal torch FSDP2's.
+* The optimizer implementations users pick (AdamW for-loop, foreach and fused; SGD with
+  momentum) train to the same parameters as torch FSDP2.
+"""
+from __future__ import annotations
+
+import io
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from dist_utils import assert_close, full, load_impl, ref_impl, run_distributed, run_grid
+from models import Cfg, build_fsdp, lm_loss, make_batches, make_mesh
+
+EXACT = dict(rtol=0, atol=0)
+FP32_TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def _pair(shape, mesh, placements, seed):
+    """A ShardedDTensor and a plain DTensor over equal (separate) local tensors and one spec,
+    the local viewing a flat buffer at a non-zero offset as fsdp_native's parameters do."""
+    from fsdp_native._dtensor import ShardedDTensor, make_sharded
+
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    plain = DTensor.from_local(torch.randn(shape, generator=g), mesh, placements, run_check=False)
+    n = plain._local_tensor.numel()
+    flat = torch.zeros(n + 3)
+    view = flat[3:].view(plain._local_tensor.shape)
+    view.copy_(plain._local_tensor)
+    sharded = make_sharded(view, plain._spec)
+    assert type(sharded) is ShardedDTensor and isinstance(sharded, DTensor)
+    assert sharded.storage_offset() == 0, f"wrapper storage offset {sharded.storage_offset()}, expected 0"
+    return sharded, plain
+
+
+def _same(what, a, b):
+    assert isinstance(a, DTensor) == isinstance(b, DTensor), f"{what}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, DTensor):
+        assert a.placements == b.placements, f"{what}: placements {a.placements} vs {b.placements}"
+        assert a.shape == b.shape and a.stride() == b.stride(), f"{what}: {a.shape}/{a.stride()} vs {b.shape}/{b.stride()}"
+        assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} vs {b.dtype}"
+        a, b = a._local_tensor, b._local_tensor
+    assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num()), (
+        f"{what}: values differ, max abs diff {(a - b).abs().max().item():.3e}"
+    )
+
+
+# (name, op on (x, y, s) where x and y share a spec and s is a 0-dim tensor, fast path expected)
+_OPS = [
+    ("mul_ number", lambda x, y, s: x.mul_(0.9), True),
+    ("mul_ tensor", lambda x, y, s: x.mul_(y), True),
+    ("mul_ 0-dim", lambda x, y, s: x.mul_(s), True),
+    ("add_ alpha", lambda x, y, s: x.add_(y, alpha=-0.5), True),
+    ("add_ number", lambda x, y, s: x.add_(1e-3), True),
+    ("sub_", lambda x, y, s: x.sub_(y), True),
+    ("div_ number", lambda x, y, s: x.div_(3.0), True),
+    ("lerp_", lambda x, y, s: x.lerp_(y, 0.1), True),
+    ("addcmul_", lambda x, y, s: x.addcmul_(y, y, value=0.01), True),
+    ("addcdiv_", lambda x, y, s: x.addcdiv_(y, y.abs().add(1.0), value=-0.01), True),
+    ("sqrt", lambda x, y, s: x.abs().sqrt(), True),
+    ("div number", lambda x, y, s: x / 0.7, True),
+    ("div 0-dim", lambda x, y, s: x / s, True),
+    ("mul", lambda x, y, s: x * y, True),
+    ("neg_", lambda x, y, s: x.neg_(), True),
+    ("zero_", lambda x, y, s: x.zero_(), True),
+    ("copy_", lambda x, y, s: x.copy_(y), True),
+    ("clamp_", lambda x, y, s: x.clamp_(-0.1, 0.1), True),
+    ("maximum", lambda x, y, s: torch.maximum(x, y), True),
+    ("zeros_like", lambda x, y, s: torch.zeros_like(x, memory_format=torch.preserve_format), True),
+    ("clone", lambda x, y, s: x.clone(), True),
+    ("detach", lambda x, y, s: x.detach(), True),
+    # handed to DTensor:
+    ("zeros_like dtype", lambda x, y, s: torch.zeros_like(x, dtype=torch.bfloat16), False),
+    ("to bf16", lambda x, y, s: x.to(torch.bfloat16), False),
+    ("sum", lambda x, y, s: x.sum(), False),
+    ("norm", lambda x, y, s: torch.linalg.vector_norm(x, 2), False),
+    ("matmul xT y", lambda x, y, s: x.t() @ y if x.dim() == 2 else x * y, False),
+    ("view", lambda x, y, s: x.view(-1) if x.dim() == 1 else x.view(x.shape[0], -1), False),
+    ("full_tensor", lambda x, y, s: x.full_tensor(), False),
+    ("redistribute", lambda x, y, s: x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim), False),
+    ("to_local", lambda x, y, s: x.to_local() * 1, False),
+]
+
+
+def _ops_body(mesh_kind: str, shape: tuple):
+    from fsdp_native._dtensor import ShardedDTensor, make_sharded
+
+    mesh = make_mesh(Cfg(mesh=mesh_kind))
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    s = torch.tensor(1.5)
+    for i, (name, op, fast) in enumerate(_OPS):
+        x, xp = _pair(shape, mesh, placements, seed=10 * i)
+        y, yp = _pair(shape, mesh, placements, seed=10 * i + 1)
+        y = make_sharded(y._local_tensor, x._spec)  # share x's spec object, as a gradient does
+        with torch.no_grad():
+            out = op(x, y, s)
+            ref = op(xp, yp, s)
+        _same(f"{name}: result", out, ref)
+        _same(f"{name}: first argument afterwards", x, xp)
+        if fast:
+            assert type(out) is ShardedDTensor, f"{name}: result is {type(out).__name__}, expected ShardedDTensor"
+            if out is not x and isinstance(out, DTensor):
+                assert out._spec is x._spec, f"{name}: the fast path must reuse the argument's spec"
+
+
+def _inplace_spec_body():
+    mesh = make_mesh(Cfg())
+    x, xp = _pair((1, 3, 4), mesh, (Shard(1),), seed=3)
+    with torch.no_grad():
+        out = x.squeeze_(0)
+        ref = xp.squeeze_(0)
+    assert out is x, "an in-place op must return its own argument"
+    _same("squeeze_", x, ref)
+    assert x.placements == (Shard(0),), f"placements after squeeze_: {x.placements}, expected (Shard(dim=0),)"
+    assert x.to_local().shape == xp.to_local().shape
+
+
+def _ws2_ops():
+    run_grid([dict(mesh_kind="1d", shape=shape) for shape in ((8, 5), (7,), (5, 3))], _ops_body, "ops")
+    run_grid([{}], _inplace_spec_body, "in-place spec")
+
+
+def _ws4_ops():
+    run_grid([dict(mesh_kind="hsdp", shape=(6, 4))], _ops_body, "ops")
+
+
+def test_ops_match_plain_dtensor_ws2():
+    run_distributed(_ws2_ops, 2)
+
+
+def test_ops_match_plain_dtensor_hsdp():
+    run_distributed(_ws4_ops, 4, timeout=300)
+
+
+# ---------------------------------------------------------------------------
+# torch.save / torch.load and optimizers, against torch FSDP2
+
+
+def _train(impl, cfg: Cfg, opt_factory, steps: int = 3):
+    mesh = make_mesh(cfg)
+    model = build_fsdp(impl, cfg, mesh)
+    opt = opt_factory(model.parameters())
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(cfg.model_args, steps, cfg.local_bsz * ws, seed=7)
+    lo, hi = rank * cfg.local_bsz, (rank + 1) * cfg.local_bsz
+    losses = []
+    for x, y in batches:
+        loss = lm_loss(model(x[lo:hi]), y[lo:hi])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+_OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, fused=True),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+}
+
+
+def _optim_body(optim: str, model: str):
+    cfg = Cfg(model=model)
+    ours, ours_opt, ours_losses = _train(load_impl(), cfg, _OPTIMIZERS[optim])
+    ref, ref_opt, ref_losses = _train(ref_impl(), cfg, _OPTIMIZERS[optim])
+    assert_close(f"{optim}: losses", torch.tensor(ours_losses), torch.tensor(ref_losses), FP32_TOL)
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert_close(f"{optim}: {name}", full(p), full(ref_params[name]), FP32_TOL)
+    # The optimizer states are DTensors sharded like the parameter.
+    for p in ours.parameters():
+        for key, v in ours_opt.state[p].items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert isinstance(v, DTensor) and v.placements == p.placements, (
+                    f"{optim}: state {key!r} is {type(v).__name__} {getattr(v, 'placements', None)}, "
+                    f"expected a DTensor with {p.placements}"
+                )
+
+
+def _save_body(model: str):
+    cfg = Cfg(model=model)
+    ours, ours_opt, _ = _train(load_impl(), cfg, _OPTIMIZERS["adamw"], steps=2)
+    ref, ref_opt, _ = _train(ref_impl(), cfg, _OPTIMIZERS["adamw"], steps=2)
+    loaded = {}
+    for who, m, o in (("ours", ours, ours_opt), ("torch", ref, ref_opt)):
+        buf = io.BytesIO()
+        torch.save({"model": m.state_dict(), "optim": o.state_dict()}, buf)
+        buf.seek(0)
+        loaded[who] = torch.load(buf, weights_only=True)
+    for key, v in loaded["ours"]["model"].items():
+        assert type(v) is DTensor, f"{key}: loads as {type(v).__name__}, expected DTensor"
+        r = loaded["torch"]["model"][key]
+        assert v.placements == r.placements and v.shape == r.shape, f"{key}: {v.placements} {v.shape} vs {r.placements} {r.shape}"
+        assert_close(f"saved {key}", v.to_local(), r.to_local(), EXACT)
+    ours_state, ref_state = loaded["ours"]["optim"]["state"], loaded["torch"]["optim"]["state"]
+    assert ours_state.keys() == ref_state.keys()
+    for idx in ours_state:
+        for key, v in ours_state[idx].items():
+            r = ref_state[idx][key]
+            if isinstance(v, DTensor):
+                assert type(v) is DTensor, f"optimizer state {idx}.{key}: loads as {type(v).__name__}"
+                assert_close(f"saved optimizer state {idx}.{key}", v.to_local(), r.to_local(), EXACT)
+            else:
+                assert_close(f"saved optimizer state {idx}.{key}", v, r, EXACT)
+    # And the loaded state dicts load back into a fresh sharded model and optimizer.
+    fresh = build_fsdp(load_impl(), cfg, make_mesh(cfg), seed=1)
+    fresh.load_state_dict(loaded["ours"]["model"])
+    for (name, p), q in zip(fresh.named_parameters(), ours.parameters()):
+        assert_close(f"reloaded {name}", full(p), full(q), EXACT)
+
+
+def _ws2_optim():
+    run_grid([dict(optim=o, model="odd") for o in _OPTIMIZERS], _optim_body, "optimizers")
+    run_grid([dict(model=m) for m in ("even", "odd")], _save_body, "torch.save")
+
+
+def test_optimizers_and_torch_save_ws2():
+    run_distributed(_ws2_optim, 2, timeout=300)
