@@ -127,13 +127,22 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
     if torch.is_grad_enabled():
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if idx:
-            outs = _PostBackward.apply(unit, *[flat[i] for i in idx])
-            for i, t in zip(idx, outs):
-                flat[i] = t
-            args, kwargs = tree_unflatten(flat, spec)
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # block(x): no pytree walk
+            idx = [i for i, t in enumerate(args) if t.requires_grad]
+            if idx:
+                outs = _PostBackward.apply(unit, *[args[i] for i in idx])
+                args = list(args)
+                for i, t in zip(idx, outs):
+                    args[i] = t
+                args = tuple(args)
+        else:
+            flat, spec = tree_flatten((args, kwargs))
+            idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if idx:
+                outs = _PostBackward.apply(unit, *[flat[i] for i in idx])
+                for i, t in zip(idx, outs):
+                    flat[i] = t
+                args, kwargs = tree_unflatten(flat, spec)
     if _trace.active is not None:
         unit._t_compute = _trace.now_us()
     return args, kwargs
@@ -157,7 +166,7 @@ def post_forward(unit: Unit, module: nn.Module, args, output):
         output = _cast_floats(output, unit.mp.output_dtype)
     if torch.is_grad_enabled():
         hook = unit.pre_backward_hook
-        for t in tree_flatten(output)[0]:
+        for t in (output,) if type(output) is torch.Tensor else tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
     if ctx.root is module:
