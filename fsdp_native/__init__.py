@@ -5,6 +5,7 @@ _C = _load_extension()
 
 from fsdp_native import ops  # noqa: E402
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
+from fsdp_native._dtensor import ShardedDTensor  # noqa: E402
 from fsdp_native._fully_shard import (  # noqa: E402
     FSDPModule,
     UnshardHandle,
@@ -22,6 +23,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "Recorder",
+    "ShardedDTensor",
     "UnitStats",
     "UnshardHandle",
     "UnshardedStats",

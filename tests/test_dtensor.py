@@ -172,7 +172,14 @@ _OPTIMIZERS = {
 
 def _optim_body(optim: str, model: str):
     cfg = Cfg(model=model)
-    ours, ours_opt, ours_losses = _train(load_impl(), cfg, _OPTIMIZERS[optim])
+    impl = load_impl()
+    ours, ours_opt, ours_losses = _train(impl, cfg, _OPTIMIZERS[optim])
+    if impl.name == "fsdp_native":
+        x, y = make_batches(cfg.model_args, 1, cfg.local_bsz, seed=9)[0]
+        lm_loss(ours(x), y).backward()
+        kinds = {type(p).__name__ for p in ours.parameters()} | {type(p.grad).__name__ for p in ours.parameters()}
+        assert kinds == {"ShardedDTensor"}, f"parameter and gradient types {kinds}, expected ShardedDTensor"
+        assert all(isinstance(p, impl.module.ShardedDTensor) for p in ours.parameters())
     ref, ref_opt, ref_losses = _train(ref_impl(), cfg, _OPTIMIZERS[optim])
     assert_close(f"{optim}: losses", torch.tensor(ours_losses), torch.tensor(ref_losses), FP32_TOL)
     ref_params = dict(ref.named_parameters())
