@@ -7,10 +7,12 @@ DTensor's) with two differences:
 * **Elementwise fast path.** An optimizer step is a dozen elementwise ops per parameter, and
   DTensor's dispatch of an op with a Python-number argument (``p.mul_(beta)``, ``d / c``,
   ``d.add_(eps)``) builds a replicated spec for the wrapped number every call: about 3x the
-  cost of the op on a small shard. When every DTensor argument of such an op shares one spec
-  object (a parameter, its gradient and the optimizer states created from it do) and the
-  others are numbers or 0-dim tensors, sharding propagation is the identity, so the op runs on
-  the local tensors and the result keeps that spec. Anything else is handed to DTensor.
+  cost of the op on a small shard. When every DTensor argument of such an op has the same
+  spec (a parameter, its gradient and the optimizer states created from it share one spec
+  object; states loaded from a checkpoint have an equal one) and the others are numbers or
+  0-dim tensors, sharding propagation is the identity: the op runs on the local tensors and
+  the result keeps that spec. fsdp_native's specs are Shard/Replicate only, never Partial.
+  Anything else is handed to DTensor.
 * **Pickles as a plain DTensor** whose wrapper has storage offset 0. The local tensors view
   one flat buffer per unit, and a wrapper carrying the view's storage offset cannot be saved
   by ``torch.save``; loading needs no fsdp_native (``weights_only=True`` works).
@@ -88,7 +90,7 @@ def _fast(func, args, kwargs, inplace: bool):
         if isinstance(a, DTensor):
             if spec is None:
                 spec, first = a._spec, a._local_tensor
-            elif a._spec is not spec:
+            elif a._spec is not spec and a._spec != spec:  # e.g. optimizer states loaded from a checkpoint
                 return NotImplemented
             local_args.append(a._local_tensor)
         elif isinstance(a, torch.Tensor):

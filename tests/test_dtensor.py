@@ -111,6 +111,34 @@ def _ops_body(mesh_kind: str, shape: tuple):
                 assert out._spec is x._spec, f"{name}: the fast path must reuse the argument's spec"
 
 
+def _equal_spec_and_autograd_body():
+    """An operand with an equal spec object of its own (an optimizer state loaded from a
+    checkpoint) still takes the fast path; autograd through fast-path ops gives DTensor's grads."""
+    from fsdp_native._dtensor import ShardedDTensor, make_sharded
+
+    mesh = make_mesh(Cfg())
+    x, xp = _pair((6, 4), mesh, (Shard(0),), seed=5)
+    y, yp = _pair((6, 4), mesh, (Shard(0),), seed=6)
+    y_plain_equal_spec = DTensor(yp._local_tensor.clone(), yp._spec, requires_grad=False)
+    assert y_plain_equal_spec._spec is not x._spec and y_plain_equal_spec._spec == x._spec
+    with torch.no_grad():
+        out = x.addcdiv_(y_plain_equal_spec, y_plain_equal_spec.abs().add(1.0), value=0.5)
+        ref = xp.addcdiv_(yp, yp.abs().add(1.0), value=0.5)
+    assert out is x
+    _same("addcdiv_ with an equal spec", x, ref)
+    q = torch.zeros_like(x) / 2.0
+    assert type(q) is ShardedDTensor and q._spec is x._spec, f"{type(q).__name__}"
+
+    # autograd: d/dx sum(x * y * 0.5 + x / 3) = y * 0.5 + 1/3, through fast-path mul/div/add
+    xs = make_sharded(xp._local_tensor.clone(), x._spec, requires_grad=True)
+    xr = DTensor(xp._local_tensor.clone(), xp._spec, requires_grad=True)
+    ys = make_sharded(yp._local_tensor.clone(), x._spec)
+    for leaf, other in ((xs, ys), (xr, yp)):
+        (leaf * other * 0.5 + leaf / 3.0).sum().full_tensor().backward()
+    assert isinstance(xs.grad, DTensor) and xs.grad.placements == xr.grad.placements
+    _same("autograd grad", xs.grad.to_local(), xr.grad.to_local())
+
+
 def _inplace_spec_body():
     mesh = make_mesh(Cfg())
     x, xp = _pair((1, 3, 4), mesh, (Shard(1),), seed=3)
@@ -126,6 +154,7 @@ def _inplace_spec_body():
 def _ws2_ops():
     run_grid([dict(mesh_kind="1d", shape=shape) for shape in ((8, 5), (7,), (5, 3))], _ops_body, "ops")
     run_grid([{}], _inplace_spec_body, "in-place spec")
+    run_grid([{}], _equal_spec_and_autograd_body, "equal spec, autograd")
 
 
 def _ws4_ops():
@@ -220,11 +249,22 @@ def _save_body(model: str):
                 assert_close(f"saved optimizer state {idx}.{key}", v.to_local(), r.to_local(), EXACT)
             else:
                 assert_close(f"saved optimizer state {idx}.{key}", v, r, EXACT)
-    # And the loaded state dicts load back into a fresh sharded model and optimizer.
-    fresh = build_fsdp(load_impl(), cfg, make_mesh(cfg), seed=1)
-    fresh.load_state_dict(loaded["ours"]["model"])
-    for (name, p), q in zip(fresh.named_parameters(), ours.parameters()):
-        assert_close(f"reloaded {name}", full(p), full(q), EXACT)
+    # The loaded state dicts load into fresh sharded models and optimizers, and training goes on
+    # as torch FSDP2's does from its own checkpoint.
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    x, y = make_batches(cfg.model_args, 1, cfg.local_bsz * ws, seed=11)[0]
+    lo, hi = rank * cfg.local_bsz, (rank + 1) * cfg.local_bsz
+    after = {}
+    for who, impl in (("ours", load_impl()), ("torch", ref_impl())):
+        fresh = build_fsdp(impl, cfg, make_mesh(cfg), seed=1)
+        fresh.load_state_dict(loaded[who]["model"])
+        opt = _OPTIMIZERS["adamw"](fresh.parameters())
+        opt.load_state_dict(loaded[who]["optim"])
+        lm_loss(fresh(x[lo:hi]), y[lo:hi]).backward()
+        opt.step()
+        after[who] = {n: full(p) for n, p in fresh.named_parameters()}
+    for name, v in after["ours"].items():
+        assert_close(f"step after reloading: {name}", v, after["torch"][name], FP32_TOL)
 
 
 def _ws2_optim():
