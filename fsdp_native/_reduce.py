@@ -90,7 +90,7 @@ class Bucket:
             rec = _trace.active
             t0 = _trace.now_us() if rec is not None else 0.0
             with st.use(st.reduce_scatter):
-                self.work.wait()
+                st.wait_work(self.work)
             if rec is not None:
                 rec.waited(self.work)
                 rec.span("wait_reduce_scatter", "stall", "+".join(u.fqn or "root" for u, _, _ in self.entries), t0, _trace.now_us())

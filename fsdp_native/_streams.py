@@ -10,6 +10,8 @@ order, and the same calls are no-ops, so the runtime has a single code path.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 
 import torch
 
@@ -34,6 +36,20 @@ class Streams:
         if self.cuda:
             ops.stream_wait(anchor, waiter, signaler)
 
+    def wait_work(self, work) -> None:
+        """Waits for a collective. On CUDA ``work.wait()`` only makes the current stream wait.
+        On CPU it blocks the thread until a gloo thread wakes it; for the short collectives
+        of small units that wake-up is a large part of the latency, so the thread first polls
+        the work for up to SPIN_S, yielding its core to whatever else is runnable between polls."""
+        if not self.cuda and SPIN_S > 0 and not work.is_completed():
+            deadline = time.perf_counter() + SPIN_S
+            while not work.is_completed() and time.perf_counter() < deadline:
+                os.sched_yield()
+        work.wait()
+
+
+# How long a CPU rank polls a collective before blocking on it (FSDP_NATIVE_SPIN_US, 0: never).
+SPIN_S = float(os.environ.get("FSDP_NATIVE_SPIN_US", "5000")) / 1e6
 
 _CPU = Streams(torch.device("cpu"))
 

@@ -306,7 +306,7 @@ class Unit:
         if work is not None:
             t0 = _trace.now_us() if rec is not None else 0.0
             with st.use(st.all_gather):
-                work.wait()
+                st.wait_work(work)
             if rec is not None:
                 rec.waited(work)
                 rec.span("wait_all_gather", "stall", self.fqn, t0, _trace.now_us())

@@ -377,3 +377,38 @@ def _api_grid():
 
 def test_api_world_size_2():
     run_distributed(_api_grid, 2)
+
+
+class _FakeWork:
+    """Completes on its `done_after`-th is_completed() poll; records wait()."""
+
+    def __init__(self, done_after: int):
+        self.done_after, self.polls, self.waited = done_after, 0, False
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.polls >= self.done_after
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+def test_cpu_collective_wait_polls_then_waits(monkeypatch):
+    from fsdp_native import _streams
+
+    st = _streams.Streams(torch.device("cpu"))
+    monkeypatch.setattr(_streams, "SPIN_S", 1.0)
+    w = _FakeWork(done_after=5)
+    st.wait_work(w)
+    assert w.polls == 5 and w.waited, f"polled {w.polls} times, waited={w.waited}; expected 5 polls then wait()"
+    # A collective that does not finish within the budget is waited on (blocking) after it.
+    monkeypatch.setattr(_streams, "SPIN_S", 0.002)
+    w = _FakeWork(done_after=10**9)
+    st.wait_work(w)
+    assert w.waited and w.polls > 1
+    # FSDP_NATIVE_SPIN_US=0: no polling at all.
+    monkeypatch.setattr(_streams, "SPIN_S", 0.0)
+    w = _FakeWork(done_after=1)
+    st.wait_work(w)
+    assert w.waited and w.polls == 0, f"polled {w.polls} times with polling off"
