@@ -41,7 +41,7 @@ class Streams:
         On CPU it blocks the thread until a gloo thread wakes it; for the short collectives
         of small units that wake-up is a large part of the latency, so the thread first polls
         the work for up to SPIN_S, yielding its core to whatever else is runnable between polls."""
-        if not self.cuda and SPIN_S > 0 and not work.is_completed():
+        if not self.cuda and SPIN_S > 0 and getattr(work, "pollable", True) and not work.is_completed():
             deadline = time.perf_counter() + SPIN_S
             while not work.is_completed() and time.perf_counter() < deadline:
                 os.sched_yield()

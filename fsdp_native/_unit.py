@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_native import _trace, ops
+from fsdp_native import _comm, _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp_native._dtensor import make_sharded
 from fsdp_native._mesh import MeshInfo
@@ -248,11 +248,11 @@ class Unit:
             )
         ws, S = self.world_size, self.total_padded
         if self._pf_shard is not None:  # backward all-gather within the post-forward group
-            group, size, _ = self.post_forward
+            group, size, index = self.post_forward
             rec = _trace.active
             t0 = _trace.now_us() if rec is not None else 0.0
             out = torch.empty(ws * S, dtype=self.param_dtype, device=self.device)
-            work = dist.all_gather_single(out, self._pf_shard, group=group, async_op=True)
+            work = _comm.all_gather(out, self._pf_shard, group, index, size)
             if rec is not None:
                 rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel() * out.element_size(), group_size=size)
             self._pf_shard_in_flight = self._pf_shard
@@ -289,7 +289,7 @@ class Unit:
                     out.copy_(inp)
                 work = None
             else:
-                work = dist.all_gather_single(out, inp, group=self.info.shard_group, async_op=True)
+                work = _comm.all_gather(out, inp, self.info.shard_group, self.rank, ws)
         if rec is not None:
             rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel() * out.element_size())
         self.pending_ag = (work, out)
