@@ -116,11 +116,30 @@ class CommLog:
             orig = getattr(dist, name)
             self._orig[name] = orig
             setattr(dist, name, functools.partial(self._call, orig, kind))
+        # fsdp_native's point-to-point exchanges on gloo (large messages) are collectives too.
+        from fsdp_native import _comm
+
+        self._p2p_orig = (_comm.all_gather, _comm.sum_into_own_chunk)
+        _comm.all_gather = functools.partial(self._p2p_all_gather, _comm.all_gather)
+        _comm.sum_into_own_chunk = functools.partial(self._p2p_reduce, _comm.sum_into_own_chunk)
         return self
 
     def __exit__(self, *exc) -> None:
         for name, orig in self._orig.items():
             setattr(dist, name, orig)
+        from fsdp_native import _comm
+
+        _comm.all_gather, _comm.sum_into_own_chunk = self._p2p_orig
+
+    def _p2p_all_gather(self, orig, out, inp, group, rank, size):
+        work = orig(out, inp, group, rank, size)  # a collective below the threshold logs itself
+        if getattr(work, "pollable", True) is False:
+            self.entries.append(dict(kind="all_gather_p2p", dtype=out.dtype, out_numel=out.numel(), in_numel=inp.numel(), group=group, rank=rank, size=size))
+        return work
+
+    def _p2p_reduce(self, orig, inp, group, rank, average=False):
+        self.entries.append(dict(kind="reduce_scatter_p2p", dtype=inp.dtype, out_numel=inp.numel(), in_numel=inp.numel(), group=group, rank=rank, average=average))
+        return orig(inp, group, rank, average)
 
     def _call(self, orig, kind, *args, **kwargs):
         # Normalise positional/keyword forms of the three signatures.
@@ -313,10 +332,16 @@ class Replay:
         self.bufs = {dt: (torch.zeros(n, dtype=dt), torch.zeros(n, dtype=dt)) for dt, n in sizes.items()}
 
     def run(self) -> None:
+        from fsdp_native import _comm
+
         for e in self.entries:
             out, inp = self.bufs[e["dtype"]]
             out = out[: e["out_numel"]]
-            if e["kind"] == "all_gather":
+            if e["kind"] == "all_gather_p2p":
+                _comm.all_gather(out, inp[: e["in_numel"]], e["group"], e["rank"], e["size"]).wait()
+            elif e["kind"] == "reduce_scatter_p2p":
+                _comm.sum_into_own_chunk(out, e["group"], e["rank"], e["average"]).wait()
+            elif e["kind"] == "all_gather":
                 dist.all_gather_single(out, inp[: e["in_numel"]], group=e["group"])
             elif e["kind"] == "reduce_scatter":
                 dist.reduce_scatter_single(out, inp[: e["in_numel"]], op=e["op"], group=e["group"])
