@@ -20,16 +20,16 @@ on the same group (tag 0 by default).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
+
+from fsdp_native._env import non_negative_int
 
 _TAG = 0x46534450  # "FSDP"
 
 # Per-peer message size from which gloo collectives become point-to-point exchanges
 # (FSDP_NATIVE_P2P_MIN_BYTES; 0 turns the point-to-point path off).
-P2P_MIN_BYTES = int(os.environ.get("FSDP_NATIVE_P2P_MIN_BYTES", str(4 << 20)))
+P2P_MIN_BYTES = non_negative_int("FSDP_NATIVE_P2P_MIN_BYTES", 4 << 20, "bytes")
 
 
 def _p2p(group: dist.ProcessGroup, nbytes: int) -> bool:

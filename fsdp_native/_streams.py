@@ -16,6 +16,7 @@ import time
 import torch
 
 from fsdp_native import ops
+from fsdp_native._env import non_negative_int
 
 
 class Streams:
@@ -49,7 +50,7 @@ class Streams:
 
 
 # How long a CPU rank polls a collective before blocking on it (FSDP_NATIVE_SPIN_US, 0: never).
-SPIN_S = float(os.environ.get("FSDP_NATIVE_SPIN_US", "5000")) / 1e6
+SPIN_S = non_negative_int("FSDP_NATIVE_SPIN_US", 5000, "microseconds") / 1e6
 
 _CPU = Streams(torch.device("cpu"))
 

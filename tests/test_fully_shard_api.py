@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
@@ -412,3 +414,34 @@ def test_cpu_collective_wait_polls_then_waits(monkeypatch):
     w = _FakeWork(done_after=1)
     st.wait_work(w)
     assert w.waited and w.polls == 0, f"polled {w.polls} times with polling off"
+
+
+@pytest.mark.parametrize("raw", ["abc", "-5", "1.5"])
+def test_env_switch_rejects_bad_values(monkeypatch, raw):
+    from fsdp_native._env import non_negative_int
+
+    monkeypatch.setenv("FSDP_NATIVE_SPIN_US", raw)
+    with pytest.raises(ValueError) as e:
+        non_negative_int("FSDP_NATIVE_SPIN_US", 5000, "microseconds")
+    assert str(e.value) == (
+        f"fsdp_native: environment variable FSDP_NATIVE_SPIN_US must be a non-negative integer (microseconds), got {raw!r}"
+    )
+
+
+def test_env_switch_values(monkeypatch):
+    from fsdp_native._env import non_negative_int
+
+    monkeypatch.delenv("FSDP_NATIVE_P2P_MIN_BYTES", raising=False)
+    assert non_negative_int("FSDP_NATIVE_P2P_MIN_BYTES", 4 << 20, "bytes") == 4 << 20
+    monkeypatch.setenv("FSDP_NATIVE_P2P_MIN_BYTES", " 0 ")
+    assert non_negative_int("FSDP_NATIVE_P2P_MIN_BYTES", 4 << 20, "bytes") == 0
+
+
+def test_bad_env_switch_fails_import():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FSDP_NATIVE_P2P_MIN_BYTES="4MiB")
+    r = subprocess.run([sys.executable, "-c", "import fsdp_native"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "environment variable FSDP_NATIVE_P2P_MIN_BYTES must be a non-negative integer (bytes), got '4MiB'" in r.stderr, r.stderr[-500:]
