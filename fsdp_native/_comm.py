@@ -77,7 +77,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, r
     return P2PWork(works)
 
 
-def reduce_scatter_sum_p2p(inp: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> bool:
+def reduce_scatter_sum_p2p(inp: torch.Tensor, group: dist.ProcessGroup, size: int) -> bool:
     """Whether `sum_into_own_chunk` applies to this input and group."""
     return size == 2 and _p2p(group, inp.numel() // 2 * inp.element_size())
 

@@ -50,12 +50,18 @@ _OUT_OF_PLACE = frozenset(
 )  # fmt: skip
 
 
-def make_sharded(local: torch.Tensor, spec, requires_grad: bool = False) -> "ShardedDTensor":
-    """A ShardedDTensor over `local` with `spec`; the wrapper's storage offset is 0 whatever
+def _wrap(cls, local: torch.Tensor, spec, requires_grad: bool):
+    """A `cls` DTensor over `local` with `spec` whose wrapper has storage offset 0 whatever
     `local`'s is (see the module docstring)."""
-    r = torch.Tensor._dtensor__new__(ShardedDTensor, _offset0(local), spec, requires_grad=requires_grad)
+    base = local if local.storage_offset() == 0 else local.as_strided(local.size(), local.stride(), 0)
+    r = torch.Tensor._dtensor__new__(cls, base, spec, requires_grad=requires_grad)
     r._local_tensor = local
     return r
+
+
+def make_sharded(local: torch.Tensor, spec, requires_grad: bool = False) -> "ShardedDTensor":
+    """A ShardedDTensor over `local` with `spec`."""
+    return _wrap(ShardedDTensor, local, spec, requires_grad)
 
 
 class ShardedDTensor(DTensor):
@@ -71,15 +77,7 @@ class ShardedDTensor(DTensor):
         return _delegate(func, args, kwargs)
 
     def __reduce_ex__(self, protocol):
-        plain = torch.Tensor._dtensor__new__(
-            DTensor, _offset0(self._local_tensor), self._spec, requires_grad=self.requires_grad
-        )
-        plain._local_tensor = self._local_tensor
-        return plain.__reduce_ex__(protocol)
-
-
-def _offset0(local: torch.Tensor) -> torch.Tensor:
-    return local if local.storage_offset() == 0 else local.as_strided(local.size(), local.stride(), 0)
+        return _wrap(DTensor, self._local_tensor, self._spec, self.requires_grad).__reduce_ex__(protocol)
 
 
 def _fast(func, args, kwargs, inplace: bool):

@@ -14,7 +14,7 @@ from fsdp_native import _comm, _trace, ops
 from fsdp_native._unit import Unit, _empty
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
-_SUM, _AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+_AVG = dist.ReduceOp.AVG  # the reduce-scatter op is SUM or AVG (Unit._divide_factors)
 
 
 def reduces_by_all_reduce(group: dist.ProcessGroup) -> bool:
@@ -77,7 +77,7 @@ class Bucket:
             rec.span("reduce_scatter_copy_in", "copy", names, t0, t1)
             t0 = t1
         with st.use(st.reduce_scatter):
-            if by_all_reduce and rs_op in (_SUM, _AVG) and _comm.reduce_scatter_sum_p2p(rs_in, group, first.rank, ws):
+            if by_all_reduce and _comm.reduce_scatter_sum_p2p(rs_in, group, ws):
                 self.work = _comm.sum_into_own_chunk(rs_in, group, first.rank, average=rs_op == _AVG)
             elif by_all_reduce:
                 self.work = dist.all_reduce(rs_in, op=rs_op, group=group, async_op=True)

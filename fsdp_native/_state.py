@@ -128,21 +128,15 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
     if torch.is_grad_enabled():
         if not kwargs and all(type(a) is torch.Tensor for a in args):  # block(x): no pytree walk
-            idx = [i for i, t in enumerate(args) if t.requires_grad]
-            if idx:
-                outs = _PostBackward.apply(unit, *[args[i] for i in idx])
-                args = list(args)
-                for i, t in zip(idx, outs):
-                    args[i] = t
-                args = tuple(args)
+            flat, spec = list(args), None
         else:
             flat, spec = tree_flatten((args, kwargs))
-            idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if idx:
-                outs = _PostBackward.apply(unit, *[flat[i] for i in idx])
-                for i, t in zip(idx, outs):
-                    flat[i] = t
-                args, kwargs = tree_unflatten(flat, spec)
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if idx:
+            outs = _PostBackward.apply(unit, *[flat[i] for i in idx])
+            for i, t in zip(idx, outs):
+                flat[i] = t
+            args, kwargs = (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
     if _trace.active is not None:
         unit._t_compute = _trace.now_us()
     return args, kwargs

@@ -56,7 +56,7 @@ def _exchange_body(dtype: str, n: int, in_place: bool):
             ref = buf.clone()
             dist.all_reduce(ref, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
             peer_chunk = buf.narrow(0, (1 - rank) * n, n).clone()
-            assert _comm.reduce_scatter_sum_p2p(buf, group, rank, ws)
+            assert _comm.reduce_scatter_sum_p2p(buf, group, ws)
             _comm.sum_into_own_chunk(buf, group, rank, average=average).wait()
             mine = buf.narrow(0, rank * n, n)
             want = ref.narrow(0, rank * n, n)
@@ -66,7 +66,7 @@ def _exchange_body(dtype: str, n: int, in_place: bool):
             )
             assert torch.equal(buf.narrow(0, (1 - rank) * n, n), peer_chunk), "the peer's chunk must be left as it was"
     else:
-        assert not _comm.reduce_scatter_sum_p2p(torch.empty(ws * n, dtype=dt), group, rank, ws), (
+        assert not _comm.reduce_scatter_sum_p2p(torch.empty(ws * n, dtype=dt), group, ws), (
             "more than 2 ranks must keep the all-reduce (summation order)"
         )
 
@@ -81,10 +81,10 @@ def _threshold_body():
     work = _comm.all_gather(out, small, dist.group.WORLD, rank, ws)
     assert not isinstance(work, _comm.P2PWork), "a message below P2P_MIN_BYTES must use the collective"
     work.wait()
-    assert not _comm.reduce_scatter_sum_p2p(torch.zeros(2 * 1023), dist.group.WORLD, rank, 2)
-    assert _comm.reduce_scatter_sum_p2p(torch.zeros(2 * 1024), dist.group.WORLD, rank, 2)
+    assert not _comm.reduce_scatter_sum_p2p(torch.zeros(2 * 1023), dist.group.WORLD, 2)
+    assert _comm.reduce_scatter_sum_p2p(torch.zeros(2 * 1024), dist.group.WORLD, 2)
     _force_p2p(0)
-    assert not _comm.reduce_scatter_sum_p2p(torch.zeros(1 << 22), dist.group.WORLD, rank, 2), "0 turns it off"
+    assert not _comm.reduce_scatter_sum_p2p(torch.zeros(1 << 22), dist.group.WORLD, 2), "0 turns it off"
 
 
 def _ws2_exchange():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dist_utils import assert_close, full, load_impl, ref_impl, run_distributed, run_grid
-from models import Cfg, build_fsdp, lm_loss, make_batches, make_mesh
+from models import Cfg, build_fsdp, lm_loss, make_batches, make_mesh, train_fsdp
 
 EXACT = dict(rtol=0, atol=0)
 FP32_TOL = dict(rtol=1e-6, atol=1e-6)
@@ -173,21 +173,11 @@ def test_ops_match_plain_dtensor_hsdp():
 # torch.save / torch.load and optimizers, against torch FSDP2
 
 
-def _train(impl, cfg: Cfg, opt_factory, steps: int = 3):
-    mesh = make_mesh(cfg)
-    model = build_fsdp(impl, cfg, mesh)
-    opt = opt_factory(model.parameters())
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    batches = make_batches(cfg.model_args, steps, cfg.local_bsz * ws, seed=7)
-    lo, hi = rank * cfg.local_bsz, (rank + 1) * cfg.local_bsz
-    losses = []
-    for x, y in batches:
-        loss = lm_loss(model(x[lo:hi]), y[lo:hi])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return model, opt, losses
+def _train(impl, cfg: Cfg, opt_factory):
+    """models.train_fsdp with the given optimizer; returns the model, the optimizer, the losses."""
+    model = build_fsdp(impl, cfg, make_mesh(cfg))
+    res = train_fsdp(impl, model, cfg, opt=opt_factory(model.parameters()))
+    return model, res["opt"], res["losses"]
 
 
 _OPTIMIZERS = {
@@ -225,9 +215,9 @@ def _optim_body(optim: str, model: str):
 
 
 def _save_body(model: str):
-    cfg = Cfg(model=model)
-    ours, ours_opt, _ = _train(load_impl(), cfg, _OPTIMIZERS["adamw"], steps=2)
-    ref, ref_opt, _ = _train(ref_impl(), cfg, _OPTIMIZERS["adamw"], steps=2)
+    cfg = Cfg(model=model, steps=2)
+    ours, ours_opt, _ = _train(load_impl(), cfg, _OPTIMIZERS["adamw"])
+    ref, ref_opt, _ = _train(ref_impl(), cfg, _OPTIMIZERS["adamw"])
     loaded = {}
     for who, m, o in (("ours", ours, ours_opt), ("torch", ref, ref_opt)):
         buf = io.BytesIO()
