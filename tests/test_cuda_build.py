@@ -39,9 +39,32 @@ def _rand(shape, dtype, gen):
     return torch.randn(shape, generator=gen).mul_(100).to(dtype)
 
 
-def _assert_same(cuda_t, cpu_t):
-    assert cuda_t.dtype == cpu_t.dtype
-    assert torch.equal(cuda_t.cpu().view(torch.uint8), cpu_t.view(torch.uint8)), (cuda_t, cpu_t)
+def _assert_same(actual, expected):
+    """Bitwise equality (NaN payloads, signed zeros) of two tensors on any devices. A 0-dim
+    tensor cannot be viewed as bytes, hence the reshape to 1-D first."""
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    a = actual.detach().cpu().reshape(-1).view(torch.uint8)
+    b = expected.detach().cpu().reshape(-1).view(torch.uint8)
+    assert torch.equal(a, b), (actual, expected)
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.uint8])
+def test_assert_same_helper_on_cpu(dtype):
+    # The helper runs on CPU tensors here, so a failure of its own (it once viewed 0-dim
+    # tensors as bytes, which raises) shows without a GPU.
+    for shape in [(), (0,), (1,), (3, 5)]:
+        t = torch.arange(15)[: (torch.Size(shape).numel())].reshape(shape).to(dtype)
+        _assert_same(t, t.clone())
+    with pytest.raises(AssertionError):
+        _assert_same(torch.tensor(1, dtype=dtype), torch.tensor(2, dtype=dtype))
+    with pytest.raises(AssertionError):
+        _assert_same(torch.zeros(2, dtype=dtype), torch.zeros(1, 2, dtype=dtype))
+    if dtype.is_floating_point:  # bitwise, not numeric: -0.0 != 0.0 and NaN == same NaN
+        with pytest.raises(AssertionError):
+            _assert_same(torch.tensor(0.0, dtype=dtype), torch.tensor(-0.0, dtype=dtype))
+        nan = torch.tensor(float("nan"), dtype=dtype)
+        _assert_same(nan, nan.clone())
 
 
 @cuda
