@@ -1,0 +1,396 @@
+"""Hugging Face Accelerate and Transformers on fsdp_native.
+
+``use_with_accelerate()`` makes Accelerate's FSDP2 path (``Accelerator(fsdp_plugin=...)``,
+``accelerate launch`` with an FSDP config, and the Transformers ``Trainer`` with ``fsdp=True``,
+which goes through Accelerate) shard models with :func:`fsdp_native.fully_shard` instead of
+torch's::
+
+    import fsdp_native.integrations as fi
+
+    with fi.use_with_accelerate():          # or: handle = fi.use_with_accelerate(); ...; handle.restore()
+        trainer = Trainer(model, args=TrainingArguments(..., fsdp=True, fsdp_config={...}), ...)
+        trainer.train()
+
+What it patches, and why that is all it needs (Accelerate 1.15, Transformers 5.18):
+
+* ``torch.distributed.fsdp.fully_shard``. Accelerate's ``fsdp2_prepare_model`` imports
+  ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy`` from ``torch.distributed.fsdp``
+  when it is called, so replacing the module attribute reaches it. ``FSDPModule`` is not
+  patched: fsdp_native's is a subclass of torch's, so Accelerate's and the Trainer's
+  ``isinstance(model, FSDPModule)`` checks already hold. ``MixedPrecisionPolicy``,
+  ``CPUOffloadPolicy`` and ``OffloadPolicy`` are not patched: Accelerate builds torch's policy
+  objects (and validates that they are torch's), and fsdp_native's ``fully_shard`` accepts them.
+  The Trainer's ``torch.distributed.fsdp.register_fsdp_forward_method(model, "generate")`` is
+  torch's function applied to fsdp_native's ``FSDPModule`` (it calls ``_get_fsdp_state()``).
+* With ``cpu=True`` only: real FSDP on CPU processes (gloo). Accelerate, and so the Trainer,
+  run FSDP only on accelerators: on a CPU-only host a ``torchrun`` launch without ``--cpu``
+  gives each rank its own non-distributed run, and with ``cpu=True`` / ``use_cpu=True``
+  Accelerate sets up ``MULTI_CPU`` and the FSDP plugin is dropped (plain DDP). ``cpu=True``
+  sets ``ACCELERATE_USE_CPU=true`` (read by ``AcceleratorState`` and by ``TrainingArguments``,
+  as ``accelerate launch --cpu`` does) and wraps ``AcceleratorState.__init__`` so that a
+  ``MULTI_CPU`` state asked for FSDP (an ``fsdp_plugin``, or ``ACCELERATE_USE_FSDP=true``)
+  becomes ``DistributedType.FSDP``, as a multi-GPU one does.
+
+The hook points are checked before anything is patched (feature detection, not version
+strings); an Accelerate or Transformers whose hook points are not found raises
+:class:`IntegrationError` naming the installed and the tested versions.
+
+Not covered: Transformers' own load-time sharding (``from_pretrained(distributed_config=...)``,
+``transformers.distributed.fsdp``), which binds torch's ``fully_shard`` when it is imported.
+"""
+from __future__ import annotations
+
+import dis
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import threading
+import types
+import warnings
+from typing import Any, Callable
+
+__all__ = [
+    "AccelerateIntegration",
+    "IntegrationError",
+    "TESTED_VERSIONS",
+    "enable_accelerate_cpu_fsdp",
+    "use_with_accelerate",
+]
+
+# The versions the test suite (tests/test_hf_*.py) runs against; the Makefile pins them.
+TESTED_VERSIONS: dict[str, tuple[str, ...]] = {
+    "accelerate": ("1.15.0",),
+    "transformers": ("5.18.0",),
+}
+
+_ACTIVE: list["AccelerateIntegration"] = []
+_LOCK = threading.Lock()
+
+
+class IntegrationError(RuntimeError):
+    """An installed Accelerate or Transformers lacks a hook point fsdp_native patches."""
+
+
+def _version(pkg: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:  # noqa: BLE001 - not installed or no metadata
+        mod = sys.modules.get(pkg)
+        return getattr(mod, "__version__", "unknown")
+
+
+def _tested_text() -> str:
+    return ", ".join(f"{pkg} {' / '.join(v)}" for pkg, v in TESTED_VERSIONS.items())
+
+
+def _code_objects(fn) -> list[types.CodeType]:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    out, stack = [], [code]
+    while stack:
+        c = stack.pop()
+        out.append(c)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return out
+
+
+def _imports_at_call_time(fn, module: str, name: str) -> bool:
+    """True when ``fn``'s body (or a function nested in it) does ``from <module> import <name>``."""
+    for code in _code_objects(fn):
+        current = None
+        for ins in dis.get_instructions(code):
+            if ins.opname == "IMPORT_NAME":
+                current = ins.argval
+            elif ins.opname == "IMPORT_FROM" and current == module and ins.argval == name:
+                return True
+    return False
+
+
+def _names_in(fn) -> set:
+    """Every name and string constant in ``fn``'s code (nested functions included)."""
+    names: set = set()
+    for code in _code_objects(fn):
+        names.update(code.co_names)
+        names.update(c for c in code.co_consts if isinstance(c, str))
+    return names
+
+
+def _check_accelerate(cpu: bool, fully_shard: bool = True) -> list[str]:
+    """The hook points fsdp_native needs in Accelerate; returns what is missing."""
+    missing: list[str] = []
+    try:
+        fsdp_utils = importlib.import_module("accelerate.utils.fsdp_utils")
+    except Exception as e:  # noqa: BLE001
+        return [f"accelerate.utils.fsdp_utils cannot be imported ({type(e).__name__}: {e})"]
+    prepare = getattr(fsdp_utils, "fsdp2_prepare_model", None)
+    if prepare is None:
+        missing.append("accelerate.utils.fsdp_utils.fsdp2_prepare_model does not exist")
+    elif fully_shard and not _imports_at_call_time(prepare, "torch.distributed.fsdp", "fully_shard"):
+        missing.append(
+            "accelerate.utils.fsdp_utils.fsdp2_prepare_model does not import fully_shard from "
+            "torch.distributed.fsdp when it is called"
+        )
+    import torch.distributed.fsdp as tfsdp
+
+    torch_fully_shard = tfsdp.fully_shard
+    bound = sorted(
+        name
+        for name, mod in list(sys.modules.items())
+        if (name == "accelerate" or name.startswith("accelerate."))
+        and mod is not None
+        and getattr(mod, "fully_shard", None) is torch_fully_shard
+    )
+    if bound and fully_shard:
+        missing.append(f"{', '.join(bound)} bind(s) torch's fully_shard at import time (a patch would not reach it)")
+    if cpu:
+        try:
+            state = importlib.import_module("accelerate.state")
+        except Exception as e:  # noqa: BLE001
+            return missing + [f"accelerate.state cannot be imported ({type(e).__name__}: {e})"]
+        acc_state = getattr(state, "AcceleratorState", None)
+        partial = getattr(state, "PartialState", None)
+        dtype = getattr(state, "DistributedType", None)
+        if acc_state is None or partial is None or dtype is None:
+            missing.append("accelerate.state has no AcceleratorState / PartialState / DistributedType")
+        else:
+            params = inspect.signature(acc_state.__init__).parameters
+            for p in ("cpu", "fsdp_plugin"):
+                if p not in params:
+                    missing.append(f"AcceleratorState.__init__ has no parameter '{p}'")
+            if not isinstance(getattr(partial, "_shared_state", None), dict):
+                missing.append("PartialState._shared_state is not a dict")
+            for member in ("MULTI_CPU", "MULTI_GPU", "FSDP"):
+                if not hasattr(dtype, member):
+                    missing.append(f"DistributedType.{member} does not exist")
+            names = _names_in(acc_state.__init__)
+            for needed in ("ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP", "MULTI_GPU", "FSDP"):
+                if needed not in names:
+                    missing.append(f"AcceleratorState.__init__ does not use {needed}")
+    return missing
+
+
+def _check_transformers(cpu: bool) -> list[str]:
+    """The hook points fsdp_native needs in Transformers (only when it is installed)."""
+    if importlib.util.find_spec("transformers") is None:
+        return []
+    missing: list[str] = []
+    try:
+        trainer_mod = importlib.import_module("transformers.trainer")
+        args_mod = importlib.import_module("transformers.training_args")
+    except Exception as e:  # noqa: BLE001
+        return [f"transformers.trainer cannot be imported ({type(e).__name__}: {e})"]
+    trainer = getattr(trainer_mod, "Trainer", None)
+    create = getattr(trainer, "create_accelerator_and_postprocess", None)
+    if create is None:
+        missing.append("Trainer.create_accelerator_and_postprocess does not exist")
+    else:
+        names = _names_in(create)
+        for needed in ("Accelerator", "FullyShardedDataParallelPlugin"):
+            if needed not in names:
+                missing.append(f"Trainer.create_accelerator_and_postprocess does not use {needed}")
+    if cpu:
+        args_cls = getattr(args_mod, "TrainingArguments", None)
+        setup = inspect.getattr_static(args_cls, "_setup_devices", None) if args_cls is not None else None
+        setup_fn = getattr(setup, "func", getattr(setup, "fget", None))
+        if setup_fn is None:
+            missing.append("TrainingArguments._setup_devices does not exist")
+        elif "ACCELERATE_USE_CPU" not in _names_in(setup_fn):
+            missing.append("TrainingArguments._setup_devices does not read ACCELERATE_USE_CPU")
+    return missing
+
+
+class AccelerateIntegration:
+    """What :func:`use_with_accelerate` patched. ``restore()`` (or leaving the ``with`` block)
+    puts everything back; calling it twice is harmless."""
+
+    def __init__(self, cpu: bool, fsdp_native: bool = True):
+        self.cpu = cpu
+        self.fsdp_native = fsdp_native
+        self._undo: list[Callable[[], None]] = []
+        self.active = False
+
+    # --- patching helpers ---------------------------------------------------------------
+    def _set_attr(self, obj: Any, name: str, value: Any) -> None:
+        had = name in vars(obj)
+        old = vars(obj).get(name)
+        setattr(obj, name, value)
+
+        def undo():
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+
+        self._undo.append(undo)
+
+    def _set_env(self, name: str, value: str) -> None:
+        old = os.environ.get(name)
+        os.environ[name] = value
+
+        def undo():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+        self._undo.append(undo)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def _apply(self) -> None:
+        import torch.distributed.fsdp as tfsdp
+
+        if self.fsdp_native:
+            import fsdp_native
+
+            self._set_attr(tfsdp, "fully_shard", fsdp_native.fully_shard)
+        if self.cpu:
+            self._set_env("ACCELERATE_USE_CPU", "true")
+            from accelerate.state import AcceleratorState
+
+            self._set_attr(AcceleratorState, "__init__", _fsdp_on_cpu_init(AcceleratorState.__init__))
+        self.active = True
+
+    def restore(self) -> None:
+        """Undo every patch, newest first."""
+        with _LOCK:
+            while self._undo:
+                self._undo.pop()()
+            self.active = False
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+
+    close = restore
+
+    def __enter__(self) -> "AccelerateIntegration":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def __repr__(self) -> str:
+        return f"AccelerateIntegration(fsdp_native={self.fsdp_native}, cpu={self.cpu}, active={self.active})"
+
+
+def _fsdp_on_cpu_init(orig_init):
+    """Wraps ``AcceleratorState.__init__``: a MULTI_CPU state that asks for FSDP becomes FSDP.
+
+    AcceleratorState turns a multi-device state into ``DistributedType.FSDP`` when it is given an
+    FSDP plugin (or ``ACCELERATE_USE_FSDP=true``), but only for accelerator device types. The
+    wrapper creates the PartialState first, exactly as ``__init__`` would (same ``cpu`` and
+    extra arguments), presents it to ``__init__`` as multi-device, and puts ``MULTI_CPU`` back if
+    ``__init__`` did not choose FSDP after all.
+    """
+    sig = inspect.signature(orig_init)
+
+    def __init__(self, *args, **kwargs):
+        from accelerate.state import DistributedType, PartialState
+        from accelerate.utils import parse_flag_from_env
+
+        try:
+            bound = sig.bind(self, *args, **kwargs)
+        except TypeError:
+            return orig_init(self, *args, **kwargs)  # let __init__ report the bad call
+        arguments = bound.arguments
+        cpu = bool(arguments.get("cpu", False)) or parse_flag_from_env("ACCELERATE_USE_CPU")
+        wants_fsdp = arguments.get("fsdp_plugin") is not None or (
+            os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        )
+        shared = PartialState._shared_state
+        flipped = False
+        if wants_fsdp and cpu:
+            if shared == {}:
+                extra = dict(arguments.get("kwargs", {}))
+                PartialState(cpu, **extra)
+                shared = PartialState._shared_state
+            if shared.get("distributed_type") == DistributedType.MULTI_CPU:
+                shared["distributed_type"] = DistributedType.MULTI_GPU
+                flipped = True
+        try:
+            orig_init(self, *args, **kwargs)
+        finally:
+            if flipped and shared.get("distributed_type") == DistributedType.MULTI_GPU:
+                shared["distributed_type"] = DistributedType.MULTI_CPU
+                if getattr(self, "distributed_type", None) == DistributedType.MULTI_GPU:
+                    self.distributed_type = DistributedType.MULTI_CPU
+
+    __init__.__wrapped__ = orig_init
+    __init__.__doc__ = orig_init.__doc__
+    __init__.__signature__ = sig
+    return __init__
+
+
+def use_with_accelerate(*, cpu: bool = False) -> AccelerateIntegration:
+    """Make Accelerate (and the Transformers Trainer) shard with fsdp_native.
+
+    Args:
+        cpu: also run real FSDP on CPU processes (gloo) instead of Accelerate's fallback to
+            DDP or to one non-distributed run per rank. Forces Accelerate onto the CPU, as
+            ``accelerate launch --cpu`` does, even where a GPU is present.
+
+    Returns:
+        A handle; ``handle.restore()``, or using it as a context manager, undoes the patches.
+        Call it before ``Accelerator(...)`` / ``TrainingArguments(...)`` are created.
+
+    Raises:
+        IntegrationError: the installed Accelerate (or Transformers, if installed) lacks a hook
+            point this relies on; the message names the installed and the tested versions.
+        RuntimeError: another handle of this module is still active.
+        ImportError: Accelerate is not installed.
+    """
+    if not isinstance(cpu, bool):
+        raise TypeError(f"use_with_accelerate: argument 'cpu' is {cpu!r}, expected True or False")
+    handle = _install("use_with_accelerate", fsdp_native=True, cpu=cpu)
+    if not cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            warnings.warn(
+                "use_with_accelerate(cpu=False): no CUDA device, and Accelerate runs FSDP only on "
+                "accelerators; pass cpu=True for FSDP on CPU processes",
+                stacklevel=2,
+            )
+    return handle
+
+
+def enable_accelerate_cpu_fsdp() -> AccelerateIntegration:
+    """Only the ``cpu=True`` part of :func:`use_with_accelerate`: Accelerate and the Trainer run
+    FSDP on CPU processes, with whichever ``fully_shard`` ``torch.distributed.fsdp`` holds
+    (torch's own unless :func:`use_with_accelerate` is active). For comparing against torch
+    FSDP2 on CPU. Returns a handle like :func:`use_with_accelerate`."""
+    return _install("enable_accelerate_cpu_fsdp", fsdp_native=False, cpu=True)
+
+
+def _install(what: str, *, fsdp_native: bool, cpu: bool) -> AccelerateIntegration:
+    if importlib.util.find_spec("accelerate") is None:
+        raise ImportError(
+            f"{what}: accelerate is not installed "
+            f"(tested with {_tested_text()}): pip install accelerate=={TESTED_VERSIONS['accelerate'][0]}"
+        )
+    with _LOCK:
+        if _ACTIVE:
+            raise RuntimeError(f"{what}: already active ({_ACTIVE[0]!r}); call restore() on that handle first")
+    problems = [f"accelerate: {p}" for p in _check_accelerate(cpu, fully_shard=fsdp_native)]
+    problems += [f"transformers: {p}" for p in _check_transformers(cpu)]
+    if problems:
+        installed = f"accelerate {_version('accelerate')}"
+        if importlib.util.find_spec("transformers") is not None:
+            installed += f", transformers {_version('transformers')}"
+        raise IntegrationError(
+            f"fsdp_native.integrations.{what}({'cpu=True' if cpu and fsdp_native else ''}) does not know the "
+            f"hook points of the installed {installed} (tested with {_tested_text()}): " + "; ".join(problems)
+        )
+    handle = AccelerateIntegration(cpu, fsdp_native=fsdp_native)
+    with _LOCK:
+        try:
+            handle._apply()
+        except BaseException:
+            while handle._undo:
+                handle._undo.pop()()
+            raise
+        _ACTIVE.append(handle)
+    return handle

@@ -1,0 +1,159 @@
+"""Accelerate's FSDP2 path on fsdp_native vs on torch FSDP2: a tiny Llama (built from a
+LlamaConfig, no Hub) trained through ``Accelerator.prepare`` on 2 CPU ranks (and HSDP 2x2 on 4),
+once with torch's fully_shard and once with fsdp_native's (fsdp_native.integrations), in the
+same spawn; losses and parameters must be bitwise equal. Checkpoints (save_state/load_state,
+sharded and full) move between the two libraries both ways."""
+from __future__ import annotations
+
+import os
+
+from dist_utils import ctx, full_params, grid, run_distributed, run_grid
+from test_hf_common import (
+    assert_same,
+    check_impl,
+    impl_handle,
+    reset_accelerate,
+    set_launcher_env,
+    tiny_llama,
+    token_batches,
+)
+
+LR = 1e-2
+
+
+def accelerate_run(
+    impl,
+    *,
+    mp="no",
+    ga=1,
+    ac=False,
+    cpu_ram=False,
+    steps=3,
+    start=0,
+    state_dict_type="SHARDED_STATE_DICT",
+    save_after=None,
+    save_dir=None,
+    load_dir=None,
+    hsdp=False,
+):
+    """Train ``steps`` optimizer steps (from step ``start``); returns (losses, full params)."""
+    import torch
+    import torch.distributed as dist
+
+    reset_accelerate()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with impl_handle(impl):
+        from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+            reshard_after_forward=True,
+            state_dict_type=state_dict_type,
+            activation_checkpointing=ac,
+            cpu_ram_efficient_loading=cpu_ram,
+        )
+        kwargs = {}
+        if hsdp:
+            from accelerate import ParallelismConfig
+
+            kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=2, dp_shard_size=world // 2)
+        acc = Accelerator(fsdp_plugin=plugin, mixed_precision=mp, gradient_accumulation_steps=ga, **kwargs)
+        assert acc.is_fsdp2 and acc.device.type == "cpu", (acc.distributed_type, acc.device)
+        # With cpu_ram_efficient_loading only rank 0's weights count: the others start different.
+        model = tiny_llama(seed=rank if cpu_ram else 0)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, opt = acc.prepare(model, opt)
+        check_impl(model, impl)
+        if hsdp:
+            mesh = next(model.parameters()).device_mesh
+            assert mesh.ndim == 2 and tuple(mesh.shape) == (2, world // 2), mesh
+        if load_dir is not None:
+            acc.load_state(load_dir)
+        data = token_batches((start + steps) * ga, bsz=2 * world)
+        losses = []
+        for i in range(start * ga, (start + steps) * ga):
+            x = data[i][2 * rank : 2 * rank + 2]
+            with acc.accumulate(model):
+                out = model(input_ids=x, labels=x)
+                acc.backward(out.loss)
+                opt.step()
+                opt.zero_grad()
+            losses.append(out.loss.detach().float().clone())
+            if save_dir is not None and i + 1 == save_after * ga:
+                acc.save_state(save_dir)
+        params = full_params(model)
+        acc.free_memory()
+    return losses, params
+
+
+def _parity(**cfg):
+    ref = accelerate_run("torch", **cfg)
+    got = accelerate_run("native", **cfg)
+    assert_same("losses", got[0], ref[0])
+    assert_same("parameters", got[1], ref[1])
+    if cfg.get("cpu_ram"):
+        # Rank 0's initial weights were used everywhere: rank 1 started from another seed.
+        import torch.distributed as dist
+
+        init = accelerate_run("torch", steps=0, cpu_ram=True)[1]
+        if dist.get_rank() == 0:
+            assert_same("initial parameters", init, {k: v for k, v in tiny_llama(0).state_dict().items() if k in init})
+
+
+def _train_grid():
+    set_launcher_env()
+    configs = [
+        dict(mp="no"),
+        dict(mp="bf16"),
+        dict(mp="bf16", ga=2),
+        dict(mp="no", ac=True),
+        dict(mp="no", cpu_ram=True),
+    ]
+    run_grid(configs, _parity, name="accelerate")
+
+
+def test_accelerate_parity_ws2():
+    run_distributed(_train_grid, 2, timeout=400)
+
+
+def _checkpoint(state_dict_type):
+    """Save with one library after 2 steps, load with the other, train 2 more: both resumed runs
+    match the uninterrupted runs bit for bit."""
+    import torch.distributed as dist
+
+    c = ctx()
+    base = os.path.join(c.tmpdir, state_dict_type)
+    dirs = {impl: f"{base}-{impl}" for impl in ("torch", "native")}
+    whole = {
+        impl: accelerate_run(impl, steps=4, state_dict_type=state_dict_type, save_after=2, save_dir=dirs[impl])
+        for impl in ("torch", "native")
+    }
+    assert_same("uninterrupted losses", whole["native"][0], whole["torch"][0])
+    assert_same("uninterrupted parameters", whole["native"][1], whole["torch"][1])
+    dist.barrier()
+    for saver, loader in (("torch", "native"), ("native", "torch")):
+        losses, params = accelerate_run(
+            loader, steps=2, start=2, state_dict_type=state_dict_type, load_dir=dirs[saver]
+        )
+        assert_same(f"losses after {saver} -> {loader}", losses, whole[saver][0][2:])
+        assert_same(f"parameters after {saver} -> {loader}", params, whole[saver][1])
+
+
+def _checkpoint_grid():
+    set_launcher_env()
+    run_grid(grid(state_dict_type=["SHARDED_STATE_DICT", "FULL_STATE_DICT"]), _checkpoint, name="save/load")
+
+
+def test_accelerate_checkpoint_across_libraries_ws2():
+    run_distributed(_checkpoint_grid, 2, timeout=400)
+
+
+def _hsdp_grid():
+    set_launcher_env()
+    run_grid([dict(mp="no", hsdp=True), dict(mp="bf16", ga=2, hsdp=True)], _parity, name="accelerate HSDP")
+
+
+def test_accelerate_hybrid_shard_2x2():
+    run_distributed(_hsdp_grid, 4, timeout=400)

@@ -1,0 +1,223 @@
+"""Shared pieces of the Hugging Face tests (tiny Llama, Accelerate set-up), and the
+single-process tests of fsdp_native.integrations: pinned versions, hook-point detection and
+its error text, restore()."""
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+# Never reach the Hub: every model here is built from a LlamaConfig.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+# The versions the HF tests were written and run against (the Makefile installs these).
+PINNED = {"accelerate": "1.15.0", "transformers": "5.18.0"}
+
+VOCAB = 96
+SEQ = 16
+
+
+def tiny_llama_config(**kw):
+    from transformers import LlamaConfig
+
+    args = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    args.update(kw)
+    return LlamaConfig(**args)
+
+
+def tiny_llama(seed: int = 0, **kw):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**kw))
+    return model
+
+
+def token_batches(n: int, bsz: int, seed: int = 1234):
+    """n batches of (bsz, SEQ) token ids, identical on every rank (each rank slices its part)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (bsz, SEQ), generator=g) for _ in range(n)]
+
+
+def set_launcher_env():
+    """What torchrun sets, for Accelerate's PartialState (the gloo group already exists)."""
+    from dist_utils import ctx
+
+    c = ctx()
+    os.environ.update(
+        RANK=str(c.rank),
+        WORLD_SIZE=str(c.world_size),
+        LOCAL_RANK=str(c.rank),
+        LOCAL_WORLD_SIZE=str(c.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        HF_HUB_OFFLINE="1",
+    )
+
+
+def reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.pop("ACCELERATE_USE_FSDP", None)
+    os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
+
+
+def impl_handle(impl: str):
+    """Accelerate on CPU FSDP with torch's fully_shard ('torch') or fsdp_native's ('native')."""
+    import fsdp_native.integrations as fi
+
+    if impl == "torch":
+        return fi.enable_accelerate_cpu_fsdp()
+    assert impl == "native", impl
+    return fi.use_with_accelerate(cpu=True)
+
+
+def check_impl(model, impl: str):
+    """Every FSDP unit of ``model`` belongs to the implementation the run asked for."""
+    import fsdp_native
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    assert units, "no FSDP unit: Accelerate did not shard the model"
+    native = [isinstance(m, fsdp_native.FSDPModule) for m in units]
+    if impl == "native":
+        assert all(native), f"{native.count(False)} of {len(units)} units are torch's, expected fsdp_native's"
+    else:
+        assert not any(native), f"{native.count(True)} of {len(units)} units are fsdp_native's, expected torch's"
+
+
+def assert_same(what: str, a, b):
+    """Bitwise equality of tensors, lists of tensors or dicts of tensors."""
+    import torch
+
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(a.keys() ^ b.keys())}"
+        bad = [k for k in a if not torch.equal(a[k], b[k])]
+        if bad:
+            k = bad[0]
+            d = (a[k].float() - b[k].float()).abs().max().item()
+            raise AssertionError(f"{what}: {len(bad)} of {len(a)} differ, e.g. {k} (max abs diff {d:.3e})")
+        return
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} entries"
+        bad = [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(torch.as_tensor(x), torch.as_tensor(y))]
+        show = lambda xs: [f"{torch.as_tensor(xs[i]).double().flatten()[0].item():.10g}" for i in bad]  # noqa: E731
+        assert not bad, f"{what}: entries {bad} differ: {show(a)} vs {show(b)}"
+        return
+    assert torch.equal(a, b), f"{what}: differ: {a} vs {b}"
+
+
+# ---------------------------------------------------------------------------
+# Single-process tests of fsdp_native.integrations
+# ---------------------------------------------------------------------------
+def test_installed_versions_are_the_tested_ones():
+    from importlib.metadata import version
+
+    import fsdp_native.integrations as fi
+
+    for pkg, v in PINNED.items():
+        assert version(pkg) == v, f"{pkg} {version(pkg)} installed; the HF tests are pinned to {v} (Makefile)"
+        assert v in fi.TESTED_VERSIONS[pkg], f"{pkg} {v} missing from fsdp_native.integrations.TESTED_VERSIONS"
+
+
+def test_patch_and_restore():
+    import accelerate.state as acc_state
+    import torch.distributed.fsdp as tfsdp
+
+    import fsdp_native
+    import fsdp_native.integrations as fi
+
+    torch_fs, init = tfsdp.fully_shard, acc_state.AcceleratorState.__init__
+    env = os.environ.get("ACCELERATE_USE_CPU")
+    with fi.use_with_accelerate(cpu=True) as h:
+        assert h.active
+        assert tfsdp.fully_shard is fsdp_native.fully_shard
+        assert acc_state.AcceleratorState.__init__ is not init
+        assert os.environ["ACCELERATE_USE_CPU"] == "true"
+        with pytest.raises(RuntimeError, match="already active"):
+            fi.use_with_accelerate()
+    assert not h.active
+    assert tfsdp.fully_shard is torch_fs
+    assert acc_state.AcceleratorState.__init__ is init
+    assert os.environ.get("ACCELERATE_USE_CPU") == env
+    h.restore()  # twice is harmless
+    with pytest.warns(UserWarning, match="cpu=True"):
+        h = fi.use_with_accelerate()
+    assert tfsdp.fully_shard is fsdp_native.fully_shard and acc_state.AcceleratorState.__init__ is init
+    h.restore()
+    with fi.enable_accelerate_cpu_fsdp():
+        assert tfsdp.fully_shard is torch_fs and acc_state.AcceleratorState.__init__ is not init
+    assert acc_state.AcceleratorState.__init__ is init
+    with pytest.raises(TypeError, match="argument 'cpu'"):
+        fi.use_with_accelerate(cpu="yes")
+
+
+def test_unknown_hook_points_fail_clearly(monkeypatch):
+    """An Accelerate whose fsdp2_prepare_model binds fully_shard at import (so a patch of
+    torch.distributed.fsdp would not reach it) is refused, naming the versions."""
+    import accelerate.utils.fsdp_utils as fu
+    import torch.distributed.fsdp as tfsdp
+
+    import fsdp_native.integrations as fi
+
+    def fsdp2_prepare_model(accelerator, model):  # the shape of a future Accelerate
+        return fully_shard(model)  # noqa: F821 - a module global there
+
+    monkeypatch.setattr(fu, "fsdp2_prepare_model", fsdp2_prepare_model)
+    monkeypatch.setattr(fu, "fully_shard", tfsdp.fully_shard, raising=False)
+    with pytest.raises(fi.IntegrationError) as e:
+        fi.use_with_accelerate(cpu=True)
+    msg = str(e.value)
+    assert f"accelerate {PINNED['accelerate']}" in msg and f"transformers {PINNED['transformers']}" in msg
+    assert "tested with accelerate 1.15.0, transformers 5.18.0" in msg
+    assert "fsdp2_prepare_model does not import fully_shard from torch.distributed.fsdp" in msg
+    assert "accelerate.utils.fsdp_utils bind(s) torch's fully_shard at import time" in msg
+    assert tfsdp.fully_shard is not __import__("fsdp_native").fully_shard  # nothing patched
+    assert not fi._ACTIVE
+
+    # The CPU hook: an AcceleratorState without the 'cpu' parameter.
+    monkeypatch.undo()
+    import accelerate.state as st
+
+    def __init__(self, mixed_precision=None, fsdp_plugin=None, **kwargs):
+        pass
+
+    monkeypatch.setattr(st.AcceleratorState, "__init__", __init__)
+    with pytest.raises(fi.IntegrationError, match=r"AcceleratorState.__init__ has no parameter 'cpu'"):
+        fi.use_with_accelerate(cpu=True)
+    with pytest.warns(UserWarning):
+        fi.use_with_accelerate(cpu=False).restore()  # cpu=False needs no AcceleratorState hook
+
+
+def test_transformers_hook_points_checked(monkeypatch):
+    import transformers.training_args as ta
+
+    import fsdp_native.integrations as fi
+
+    def _setup_devices(self):  # reads no ACCELERATE_USE_CPU
+        return "cpu"
+
+    monkeypatch.setattr(ta.TrainingArguments, "_setup_devices", property(_setup_devices))
+    with pytest.raises(fi.IntegrationError, match="TrainingArguments._setup_devices does not read ACCELERATE_USE_CPU"):
+        fi.use_with_accelerate(cpu=True)
+    with pytest.warns(UserWarning):
+        fi.use_with_accelerate(cpu=False).restore()  # the Trainer needs that hook only for cpu=True
