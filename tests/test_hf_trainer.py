@@ -1,0 +1,138 @@
+"""The Transformers Trainer (fsdp=True with the fsdp_config of the Hugging Face FSDP2 docs) on
+fsdp_native vs on torch FSDP2: a tiny Llama from a LlamaConfig (no Hub) on 2 CPU ranks, both
+libraries in the same spawn, bitwise equal losses and parameters; generate() after training
+(the Trainer registers it with register_fsdp_forward_method)."""
+from __future__ import annotations
+
+import os
+
+from dist_utils import ctx, full_params, run_distributed, run_grid
+from test_hf_common import (
+    SEQ,
+    VOCAB,
+    assert_same,
+    check_impl,
+    impl_handle,
+    reset_accelerate,
+    set_launcher_env,
+    tiny_llama,
+)
+
+STEPS = 3
+
+
+def _dataset(n: int):
+    import torch
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(4321)
+            self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    return Tokens()
+
+
+def fsdp_config(**overrides):
+    """The fsdp_config of the Hugging Face FSDP2 docs (hf-transformers-fsdp2.md)."""
+    cfg = {
+        "version": 2,
+        "reshard_after_forward": True,
+        "cpu_offload": False,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+        "state_dict_type": "FULL_STATE_DICT",
+        "cpu_ram_efficient_loading": False,
+        "activation_checkpointing": False,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def trainer_run(impl, *, bf16=False, ga=1, use_cpu=True, generate=False, **cfg_overrides):
+    """Trainer.train for STEPS optimizer steps; returns (per-micro-batch losses, full params,
+    generated tokens or None)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer, TrainingArguments
+
+    class RecordingTrainer(Trainer):
+        recorded: list
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            loss = out[0] if return_outputs else out
+            self.recorded.append(loss.detach().float().clone())
+            return out
+
+    reset_accelerate()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cpu_ram = bool(cfg_overrides.get("cpu_ram_efficient_loading"))
+    with impl_handle(impl):
+        args = TrainingArguments(
+            output_dir=os.path.join(ctx().tmpdir, f"out-{impl}"),
+            fsdp=True,
+            fsdp_config=fsdp_config(**cfg_overrides),
+            use_cpu=use_cpu,
+            bf16=bf16,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=ga,
+            max_steps=STEPS,
+            learning_rate=1e-2,
+            lr_scheduler_type="constant",
+            logging_strategy="no",
+            log_level="error",
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        model = tiny_llama(seed=rank if cpu_ram else 0)
+        trainer = RecordingTrainer(model=model, args=args, train_dataset=_dataset(2 * world * ga * STEPS))
+        trainer.recorded = []
+        trainer.train()
+        assert trainer.is_fsdp_enabled, "the Trainer did not run FSDP"
+        check_impl(trainer.model, impl)
+        params = full_params(trainer.model)
+        tokens = None
+        if generate:
+            prompt = torch.arange(6).reshape(1, 6) % VOCAB
+            with torch.no_grad():
+                tokens = trainer.model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, use_cache=False)
+            assert tokens.shape == (1, 10), tokens.shape
+        losses = trainer.recorded
+        trainer.accelerator.free_memory()
+    return losses, params, tokens
+
+
+def _parity(**cfg):
+    ref = trainer_run("torch", **cfg)
+    got = trainer_run("native", **cfg)
+    assert len(ref[0]) == STEPS * cfg.get("ga", 1), len(ref[0])
+    assert_same("losses", got[0], ref[0])
+    assert_same("parameters", got[1], ref[1])
+    if cfg.get("generate"):
+        assert_same("generated tokens", got[2], ref[2])
+
+
+def _trainer_grid():
+    set_launcher_env()
+    configs = [
+        dict(use_cpu=False),  # fp32; CPU chosen through use_with_accelerate(cpu=True) alone
+        dict(bf16=True),
+        dict(bf16=True, ga=2),
+        dict(activation_checkpointing=True),
+        dict(cpu_ram_efficient_loading=True),
+        dict(generate=True),
+    ]
+    run_grid(configs, _parity, name="trainer")
+
+
+def test_trainer_parity_ws2():
+    run_distributed(_trainer_grid, 2, timeout=400)
