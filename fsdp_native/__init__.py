@@ -16,6 +16,7 @@ from fsdp_native._fully_shard import (  # noqa: E402
 from fsdp_native._timeline import plot_timeline  # noqa: E402
 from fsdp_native._trace import Recorder, record_trace  # noqa: E402
 from fsdp_native._stats import UnitStats, UnshardedStats, reset_unsharded_peak, unsharded_stats  # noqa: E402
+from fsdp_native._wrap import shard_model  # noqa: E402
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -32,6 +33,7 @@ __all__ = [
     "plot_timeline",
     "record_trace",
     "share_comm_ctx",
+    "shard_model",
     "register_fsdp_forward_method",
     "reset_unsharded_peak",
     "unsharded_stats",
