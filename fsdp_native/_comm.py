@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fsdp_native import _compat
 from fsdp_native._env import non_negative_int
 
 _TAG = 0x46534450  # "FSDP"
@@ -64,7 +65,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, r
     this rank's slot of `out` already. Returns the work to wait on."""
     n = inp.numel()
     if not _p2p(group, n * inp.element_size()):
-        return dist.all_gather_single(out, inp, group=group, async_op=True)
+        return _compat.all_gather_single(out, inp, group=group, async_op=True)
     works = [
         dist.irecv(out.narrow(0, peer * n, n), group=group, group_src=peer, tag=_TAG)
         for peer in range(size)

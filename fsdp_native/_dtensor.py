@@ -16,13 +16,24 @@ DTensor's) with two differences:
 * **Pickles as a plain DTensor** whose wrapper has storage offset 0. The local tensors view
   one flat buffer per unit, and a wrapper carrying the view's storage offset cannot be saved
   by ``torch.save``; loading needs no fsdp_native (``weights_only=True`` works).
+
+Torch 2.11 and 2.12 never call a DTensor subclass's ``__torch_dispatch__``: their C++ DTensor
+dispatch takes every DTensor subclass (``fsdp_native._compat.DTENSOR_SUBCLASS_DISPATCH``), so
+``detach`` gave a plain DTensor and ``nn.Parameter(ShardedDTensor)`` failed. There,
+ShardedDTensor has a ``__torch_function__`` that runs each call under a dispatch mode whose
+handler is ``ShardedDTensor.__torch_dispatch__``: the mode is consulted before any subclass,
+below autograd, exactly where a subclass's own dispatch would run, so both paths and their
+results are the same on every version. Calls that never reach Python (C++-internal ops) take
+DTensor's own dispatch there and return plain DTensors, as every op did before.
 """
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import return_and_correct_aliasing
+from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
 from torch.utils._pytree import tree_map
+
+from fsdp_native._compat import DTENSOR_SUBCLASS_DISPATCH
 
 aten = torch.ops.aten
 
@@ -78,6 +89,34 @@ class ShardedDTensor(DTensor):
 
     def __reduce_ex__(self, protocol):
         return _wrap(DTensor, self._local_tensor, self._spec, self.requires_grad).__reduce_ex__(protocol)
+
+
+class _RouteToShardedDispatch(TorchDispatchMode):
+    """torch < 2.13 (see the module docstring): while a ShardedDTensor call runs, hands its
+    ops to ShardedDTensor.__torch_dispatch__ (with this mode off, as a mode's handler runs)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return ShardedDTensor.__torch_dispatch__(func, types, args, kwargs)
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True  # not a user mode: code that checks for one should not see it
+
+
+_ROUTE = _RouteToShardedDispatch()
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    with torch._C.DisableTorchFunctionSubclass():
+        if getattr(func, "__name__", None) == "__get__":  # a property (.shape, .grad): no op
+            return func(*args, **kwargs)
+        with _ROUTE:
+            return func(*args, **kwargs)
+
+
+if not DTENSOR_SUBCLASS_DISPATCH:
+    ShardedDTensor.__torch_function__ = classmethod(_torch_function)  # type: ignore[assignment]
 
 
 def _fast(func, args, kwargs, inplace: bool):

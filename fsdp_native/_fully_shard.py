@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_native import _compat
 from fsdp_native._api import MixedPrecisionPolicy, OffloadPolicy, normalize_mp_policy, normalize_offload_policy
 from fsdp_native._mesh import default_mesh, mesh_info, post_forward_group
 from fsdp_native._state import post_forward, pre_forward
@@ -233,10 +234,10 @@ def _check_shapes_across_ranks(params, names, info) -> None:
         device = info.device
         if device.type != "cpu":
             t, out = mine.to(device), table.to(device)
-            dist.all_gather_single(out, t, group=group)
+            _compat.all_gather_single(out, t, group=group)
             table = out.cpu()
         else:
-            dist.all_gather_single(table, mine, group=group)
+            _compat.all_gather_single(table, mine, group=group)
         table = table.view(-1, 3)
         if not bool((table == mine).all()):
             # Every rank saw the same table, so every rank takes this branch: gather the details.

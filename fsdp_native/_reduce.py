@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fsdp_native import _comm, _trace, ops
+from fsdp_native import _comm, _compat, _trace, ops
 from fsdp_native._unit import Unit, _empty
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
@@ -82,7 +82,7 @@ class Bucket:
             elif by_all_reduce:
                 self.work = dist.all_reduce(rs_in, op=rs_op, group=group, async_op=True)
             else:
-                self.work = dist.reduce_scatter_single(self.out, rs_in, op=rs_op, group=group, async_op=True)
+                self.work = _compat.reduce_scatter_single(self.out, rs_in, op=rs_op, group=group, async_op=True)
         if rec is not None:
             per_unit = {u.fqn: u.total_padded * ws * dtype.itemsize for u, _, _ in self.entries}
             rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit, via="all_reduce" if by_all_reduce else "reduce_scatter")

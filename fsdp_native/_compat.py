@@ -1,0 +1,45 @@
+"""Differences between the supported torch versions (2.11 to 2.15), in one place.
+
+Each shim says which versions need it; everything else in fsdp_native is written for torch
+2.13's API and behaves the same on every supported version (the tests run on 2.11 and 2.13,
+CI builds the CUDA kernels against the newest).
+
+* ``all_gather_single`` / ``reduce_scatter_single``: torch 2.13 renamed
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to these names (the old names still
+  work there, deprecated). 2.11 and 2.12 have only the old names. The name is looked up on
+  ``torch.distributed`` at every call, so a wrapper installed on ``torch.distributed`` (as
+  ``benchmarks/bench_overlap.py`` does) sees fsdp_native's collectives.
+* ``DTENSOR_SUBCLASS_DISPATCH``: from torch 2.13 an op on a DTensor subclass that overrides
+  ``__torch_dispatch__`` goes to that override; 2.11 and 2.12 send every DTensor subclass
+  straight to DTensor's C++ dispatch, so ``ShardedDTensor.__torch_dispatch__`` was never
+  called and every op returned a plain DTensor (``nn.Parameter(ShardedDTensor)`` failed on
+  ``detach``). ``fsdp_native._dtensor`` routes ShardedDTensor's ops to its dispatch by other
+  means where this is False.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _version(v: str) -> tuple[int, int]:
+    major, minor = v.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION = _version(torch.__version__)
+
+DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 13)
+
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``dist.all_gather_single`` (torch >= 2.13) or ``dist.all_gather_into_tensor``."""
+    return getattr(dist, _ALL_GATHER)(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """``dist.reduce_scatter_single`` (torch >= 2.13) or ``dist.reduce_scatter_tensor``."""
+    return getattr(dist, _REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
