@@ -27,7 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 def _rank(rank: int, store_path: str, sizes_kib: list[int], iters: int, queue) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     torch.set_num_threads(1)
-    from fsdp_native import _comm
+    from fsdp_native import _comm, _compat
 
     _comm.P2P_MIN_BYTES = 1
     group = dist.group.WORLD
@@ -36,7 +36,7 @@ def _rank(rank: int, store_path: str, sizes_kib: list[int], iters: int, queue) -
         n = kib * 1024 // 4
         shard, out, buf = torch.randn(n), torch.empty(2 * n), torch.randn(2 * n)
         cases = {
-            "all-gather: all_gather_single": lambda: dist.all_gather_single(out, shard, group=group, async_op=True).wait(),
+            "all-gather: all_gather_single": lambda: _compat.all_gather_single(out, shard, group=group, async_op=True).wait(),
             "all-gather: point-to-point": lambda: _comm.all_gather(out, shard, group, rank, 2).wait(),
             "reduce-scatter: all_reduce": lambda: dist.all_reduce(buf, group=group, async_op=True).wait(),
             "reduce-scatter: point-to-point": lambda: _comm.sum_into_own_chunk(buf, group, rank).wait(),

@@ -113,7 +113,9 @@ class CommLog:
 
     def __enter__(self) -> "CommLog":
         for name, kind in self.NAMES.items():
-            orig = getattr(dist, name)
+            orig = getattr(dist, name, None)
+            if orig is None:  # torch < 2.13 has only the older names
+                continue
             self._orig[name] = orig
             setattr(dist, name, functools.partial(self._call, orig, kind))
         # fsdp_native's point-to-point exchanges on gloo (large messages) are collectives too.
@@ -332,7 +334,7 @@ class Replay:
         self.bufs = {dt: (torch.zeros(n, dtype=dt), torch.zeros(n, dtype=dt)) for dt, n in sizes.items()}
 
     def run(self) -> None:
-        from fsdp_native import _comm
+        from fsdp_native import _comm, _compat
 
         for e in self.entries:
             out, inp = self.bufs[e["dtype"]]
@@ -342,9 +344,9 @@ class Replay:
             elif e["kind"] == "reduce_scatter_p2p":
                 _comm.sum_into_own_chunk(out, e["group"], e["rank"], e["average"]).wait()
             elif e["kind"] == "all_gather":
-                dist.all_gather_single(out, inp[: e["in_numel"]], group=e["group"])
+                _compat.all_gather_single(out, inp[: e["in_numel"]], group=e["group"])
             elif e["kind"] == "reduce_scatter":
-                dist.reduce_scatter_single(out, inp[: e["in_numel"]], op=e["op"], group=e["group"])
+                _compat.reduce_scatter_single(out, inp[: e["in_numel"]], op=e["op"], group=e["group"])
             else:
                 dist.all_reduce(out, op=e["op"], group=e["group"])
 

@@ -9,9 +9,9 @@ CI builds the CUDA kernels against the newest).
   work there, deprecated). 2.11 and 2.12 have only the old names. The name is looked up on
   ``torch.distributed`` at every call, so a wrapper installed on ``torch.distributed`` (as
   ``benchmarks/bench_overlap.py`` does) sees fsdp_native's collectives.
-* ``DTENSOR_SUBCLASS_DISPATCH``: from torch 2.13 an op on a DTensor subclass that overrides
-  ``__torch_dispatch__`` goes to that override; 2.11 and 2.12 send every DTensor subclass
-  straight to DTensor's C++ dispatch, so ``ShardedDTensor.__torch_dispatch__`` was never
+* ``DTENSOR_SUBCLASS_DISPATCH``: from torch 2.12 an op on a DTensor subclass that overrides
+  ``__torch_dispatch__`` goes to that override; 2.11 sends every DTensor subclass straight
+  to DTensor's C++ dispatch, so ``ShardedDTensor.__torch_dispatch__`` was never
   called and every op returned a plain DTensor (``nn.Parameter(ShardedDTensor)`` failed on
   ``detach``). ``fsdp_native._dtensor`` routes ShardedDTensor's ops to its dispatch by other
   means where this is False.
@@ -29,7 +29,7 @@ def _version(v: str) -> tuple[int, int]:
 
 TORCH_VERSION = _version(torch.__version__)
 
-DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 13)
+DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 12)
 
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"

@@ -31,7 +31,7 @@ def _rand(n: int, dtype, seed: int) -> torch.Tensor:
 
 
 def _exchange_body(dtype: str, n: int, in_place: bool):
-    from fsdp_native import _comm
+    from fsdp_native import _comm, _compat
 
     _force_p2p()
     dt = getattr(torch, dtype)
@@ -39,7 +39,7 @@ def _exchange_body(dtype: str, n: int, in_place: bool):
     group = dist.group.WORLD
     shard = _rand(n, dt, seed=100 + rank)
     expected = torch.empty(ws * n, dtype=dt)
-    dist.all_gather_single(expected, shard, group=group)
+    _compat.all_gather_single(expected, shard, group=group)
     out = torch.full((ws * n,), float("nan"), dtype=dt)
     inp = shard
     if in_place:
