@@ -157,3 +157,73 @@ def _hsdp_grid():
 
 def test_accelerate_hybrid_shard_2x2():
     run_distributed(_hsdp_grid, 4, timeout=400)
+
+
+LAUNCH_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+use_cpu: true
+"""
+
+LAUNCH_SCRIPT = """\
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+import fsdp_native
+import fsdp_native.integrations as fi
+handle = fi.use_with_accelerate(cpu=True)
+from accelerate import Accelerator
+from test_hf_common import tiny_llama, token_batches
+acc = Accelerator()
+model = tiny_llama()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, opt = acc.prepare(model, opt)
+units = sorted(n or "<root>" for n, m in model.named_modules() if isinstance(m, fsdp_native.FSDPModule))
+losses = []
+for batch in token_batches(2, bsz=4):
+    x = batch[2 * acc.process_index : 2 * acc.process_index + 2]
+    loss = model(input_ids=x, labels=x).loss
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+print(f"RESULT rank={{acc.process_index}} type={{acc.distributed_type}} device={{acc.device}} units={{units}}", flush=True)
+handle.restore()
+"""
+
+
+def test_accelerate_launch_cpu_fsdp2_config(tmp_path):
+    """`accelerate launch` with an FSDP2 config file and use_cpu: true: the script's
+    Accelerator() runs FSDP with fsdp_native units on 2 CPU processes."""
+    import socket
+    import subprocess
+    import sys
+
+    (tmp_path / "cfg.yaml").write_text(LAUNCH_CONFIG)
+    (tmp_path / "train.py").write_text(LAUNCH_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "cfg.yaml")]
+    cmd += ["--main_process_port", str(port), str(tmp_path / "train.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    results = sorted(line for line in out.splitlines() if line.startswith("RESULT"))
+    units = "['<root>', 'lm_head', 'model.embed_tokens', 'model.layers.0', 'model.layers.1', 'model.norm']"
+    assert results == [
+        f"RESULT rank={r} type=DistributedType.FSDP device=cpu:0 units={units}" for r in (0, 1)
+    ], out[-4000:]
