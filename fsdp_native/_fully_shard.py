@@ -84,8 +84,14 @@ def fully_shard(
         if existing is not None:
             _check_same_settings(m, existing, info, mp, offload, raf, reshard_after_forward)
             return module
+        if isinstance(m, _TorchFSDPModule):
+            raise ValueError(
+                f"fully_shard: argument 'module' ({type(m).__name__}) is already sharded by torch's "
+                "torch.distributed.fsdp.fully_shard; a module can be sharded by one of the two libraries only"
+            )
     ignored = set(ignored_params or ())
     params, owners = _collect_params(modules, ignored)
+    _check_not_sharded(modules, params, owners)
     for p, owner in zip(params, owners):
         if shard_placement_fn is not None:
             placement = shard_placement_fn(p)
@@ -110,6 +116,11 @@ def fully_shard(
         m.register_forward_hook(functools.partial(_post_hook, unit), prepend=False)
         # Like torch: a state dict always holds the sharded DTensor parameters.
         m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, unit=unit: unit.reshard())
+        # load_state_dict(assign=True) installs new tensors: reshard before, re-adopt after, so
+        # the parameters are the unit's own (flat buffer, ShardedDTensor) before an optimizer
+        # is built from them.
+        m.register_load_state_dict_pre_hook(lambda mod, *args, unit=unit: unit.reshard())
+        m.register_load_state_dict_post_hook(lambda mod, incompatible, unit=unit: unit.readopt())
         cls = type(m)
         if not isinstance(m, FSDPModule):
             new_cls = _CLS_CACHE.get(cls)
@@ -189,6 +200,30 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Par
                 params.append(p)
                 owners.append([(sub, name)])
     return params, owners
+
+
+def _check_not_sharded(modules, params, owners) -> None:
+    """A parameter that is already a DTensor cannot be sharded again: by fsdp_native it means a
+    parent was sharded before this submodule (fully_shard goes bottom-up); otherwise torch's
+    fully_shard or tensor parallelism made it, which fsdp_native does not compose with."""
+    names = _param_names(modules, params)
+    for p, owner, name in zip(params, owners, names):
+        if not isinstance(p, DTensor):
+            continue
+        mod = owner[0][0]
+        unit = getattr(p, "_fsdp_native_unit", None)
+        if unit is not None:
+            holder = type(unit.modules[0]).__name__
+            raise ValueError(
+                f"fully_shard: argument 'module' ({type(modules[0]).__name__}) has parameter '{name}' of "
+                f"{type(mod).__name__} that is already sharded by fsdp_native in the unit of {holder}"
+                f"{f' {unit.fqn!r}' if unit.fqn else ''}; call fully_shard on submodules before their parents"
+            )
+        raise ValueError(
+            f"fully_shard: argument 'module' ({type(modules[0]).__name__}) has parameter '{name}' of "
+            f"{type(mod).__name__} that is already a DTensor (placements {tuple(p.placements)}), e.g. sharded by "
+            "torch's fully_shard or by tensor parallelism; fsdp_native shards plain tensors only"
+        )
 
 
 def _param_names(modules, params) -> list[str]:
@@ -368,6 +403,8 @@ class FSDPModule(_TorchFSDPModule):
             u.release_pending()
             u.pending_rs = None
             u.needs_post_backward = False
+            u.in_forward = False
+            u.modules_to_run = set()
             u.reshard()
         ctx = self._unit.ctx
         if ctx is not None:
@@ -419,8 +456,27 @@ class FSDPModule(_TorchFSDPModule):
     def _set_unshard_async_op(self, async_op: bool):
         self._not_implemented("_set_unshard_async_op")
 
-    def _get_fsdp_state(self):
-        self._not_implemented("_get_fsdp_state")
+    def _get_fsdp_state(self) -> "_HookState":
+        """What torch's ``register_fsdp_forward_method`` wrapper calls: an object whose
+        ``_pre_forward`` / ``_post_forward`` run this unit's forward hooks."""
+        return _HookState(self._unit)
+
+
+class _HookState:
+    """The part of torch FSDP2's per-module state that torch's own wrappers call."""
+
+    __slots__ = ("unit",)
+
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        new = pre_forward(self.unit, module, args, kwargs)
+        return (args, kwargs) if new is None else new
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        res = post_forward(self.unit, module, args, output)
+        return output if res is None else res
 
 
 def _require_fsdp(m, arg: str) -> FSDPModule:
@@ -435,21 +491,18 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Makes ``module.<method_name>`` run the unit's forward hooks (e.g. ``generate``)."""
+    """Makes ``module.<method_name>`` run the unit's forward hooks (e.g. ``generate``); a no-op
+    for a module that is not sharded, like torch's."""
     if not isinstance(module, FSDPModule):
         return
     if not hasattr(module, method_name):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
-    orig = getattr(module, method_name).__func__
-    unit = module._unit
+    orig = getattr(module, method_name)
 
     @functools.wraps(orig)
     def wrapped(self, *args, **kwargs):
-        new = pre_forward(unit, self, args, kwargs)
-        if new is not None:
-            args, kwargs = new
-        out = orig(self, *args, **kwargs)
-        res = post_forward(unit, self, args, out)
-        return out if res is None else res
+        state = self._get_fsdp_state()
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, orig(*args, **kwargs))
 
-    setattr(module, method_name, wrapped.__get__(module))
+    setattr(module, method_name, wrapped.__get__(module, type(module)))

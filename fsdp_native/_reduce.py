@@ -1,11 +1,17 @@
 """Gradient reduction: units' gradients are packed into buckets, one reduce-scatter each.
 
-Small units (the overhead-bound case) share a reduce-scatter, which cuts the number of
-collectives, each of which costs a fixed latency; a unit at least as large as the bucket
-size goes alone and, when no cast is needed, reduces straight into its gradient buffer. At
-most one bucket is in flight: issuing the next completes the previous.
+A bucket closes once it holds ``bucket_bytes`` of reduce-scatter input. The default is 0:
+every unit is reduced on its own, as torch FSDP2 does. Sharing a reduce-scatter between
+small units saves collectives, but it holds memory torch does not: the shared input of k
+units is alive at once where torch holds one unit's input plus the k units' sharded
+gradients (k / world_size of it), so at world size 2 and up a bucket of several units
+peaks above torch (tests/test_memory.py). At most one bucket is in flight: issuing the
+next completes the previous, and the unsharded gradients are dropped as soon as they are
+copied into the reduce-scatter input.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,7 +19,7 @@ import torch.distributed as dist
 from fsdp_native import _comm, _compat, _trace, ops
 from fsdp_native._unit import Unit, _empty
 
-DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 0
 _AVG = dist.ReduceOp.AVG  # the reduce-scatter op is SUM or AVG (Unit._divide_factors)
 
 
@@ -23,10 +29,22 @@ def reduces_by_all_reduce(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+@dataclass
+class Entry:
+    """One unit's gradients in a bucket. `grads` (the unsharded gradients) is dropped as soon
+    as they are copied into the reduce-scatter input, as torch FSDP2 frees them: holding them
+    until the bucket completes kept one unit's unsharded gradients alive into the next unit's
+    backward."""
+
+    unit: Unit
+    grads: list | None
+    has_grad: list[bool]
+
+
 class Bucket:
     def __init__(self, key: tuple) -> None:
         self.key = key
-        self.entries: list[tuple[Unit, list, list[bool]]] = []
+        self.entries: list[Entry] = []
         self.nbytes = 0
         self.issued = False
         self.work = None
@@ -37,23 +55,25 @@ class Bucket:
         self.issued = True
         rec = _trace.active
         t0 = _trace.now_us() if rec is not None else 0.0
-        first = self.entries[0][0]
+        first = self.entries[0].unit
         ws, dtype, device = first.world_size, first.reduce_dtype, first.device
         pre, _, rs_op, _ = first._divide_factors()
         padded, grads = [], []
         empty = _empty(first.param_dtype, device)
-        for unit, gs, _ in self.entries:
-            padded += unit.padded
-            grads += [g if g is not None else empty for g in gs]
-        total = sum(u.total_padded for u, _, _ in self.entries)
+        for e in self.entries:
+            padded += e.unit.padded
+            grads += [g if g is not None else empty for g in e.grads]
+            e.grads = None
+        total = sum(e.unit.total_padded for e in self.entries)
         out = None
         group = first.info.shard_group
         by_all_reduce = ws > 1 and reduces_by_all_reduce(group)
-        if len(self.entries) == 1 and not by_all_reduce and first.can_reduce_in_place(self.entries[0][2]):
+        if len(self.entries) == 1 and not by_all_reduce and first.can_reduce_in_place(self.entries[0].has_grad):
             out = first.reduce_in_place_target()
         if ws == 1:
             out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
             ops.reduce_scatter_copy_in(grads, padded, 1, out)
+            del grads
             if pre is not None:
                 out.div_(pre)
             self.out = out
@@ -70,10 +90,11 @@ class Bucket:
                 out = rs_in.narrow(0, first.rank * total, total)  # valid once the all-reduce is done
             self.out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
         st.wait(rs_in, st.compute, st.reduce_scatter)  # the unsharded gradients may be freed now
+        del grads
         self.rs_in = rs_in
         if rec is not None:
             t1 = _trace.now_us()
-            names = "+".join(u.fqn or "root" for u, _, _ in self.entries)
+            names = "+".join(e.unit.fqn or "root" for e in self.entries)
             rec.span("reduce_scatter_copy_in", "copy", names, t0, t1)
             t0 = t1
         with st.use(st.reduce_scatter):
@@ -84,11 +105,11 @@ class Bucket:
             else:
                 self.work = _compat.reduce_scatter_single(self.out, rs_in, op=rs_op, group=group, async_op=True)
         if rec is not None:
-            per_unit = {u.fqn: u.total_padded * ws * dtype.itemsize for u, _, _ in self.entries}
+            per_unit = {e.unit.fqn: e.unit.total_padded * ws * dtype.itemsize for e in self.entries}
             rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit, via="all_reduce" if by_all_reduce else "reduce_scatter")
 
     def finish(self) -> None:
-        st = self.entries[0][0].streams
+        st = self.entries[0].unit.streams
         if self.work is not None:
             rec = _trace.active
             t0 = _trace.now_us() if rec is not None else 0.0
@@ -96,15 +117,15 @@ class Bucket:
                 st.wait_work(self.work)
             if rec is not None:
                 rec.waited(self.work)
-                rec.span("wait_reduce_scatter", "stall", "+".join(u.fqn or "root" for u, _, _ in self.entries), t0, _trace.now_us())
+                rec.span("wait_reduce_scatter", "stall", "+".join(e.unit.fqn or "root" for e in self.entries), t0, _trace.now_us())
             self.work = None
             st.wait(self.out, st.compute, st.reduce_scatter)
         offset = 0
-        for unit, _, has_grad in self.entries:
-            unit.pending_rs = None
-            n = unit.total_padded
+        for e in self.entries:
+            e.unit.pending_rs = None
+            n = e.unit.total_padded
             out = self.out if len(self.entries) == 1 else self.out.narrow(0, offset, n)
-            unit.take_reduced(out, has_grad)
+            e.unit.take_reduced(out, e.has_grad)
             offset += n
         st.wait(self.out, st.reduce_scatter, st.compute)  # release the buffers after their last use
         self.entries = []
@@ -127,7 +148,7 @@ class Reducer:
         if self.open is None:
             self.open = Bucket(key)
         b = self.open
-        b.entries.append((unit, grads, has_grad))
+        b.entries.append(Entry(unit, grads, has_grad))
         unit.pending_rs = b
         b.nbytes += unit.total_padded * unit.world_size * unit.reduce_dtype.itemsize
         if b.nbytes >= self.bucket_bytes:

@@ -112,21 +112,33 @@ def _prefetch(explicit: list[Unit] | None, neighbour: Unit | None, backward: boo
 
 
 def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
+    """Before `module`'s forward. A unit of several modules (``fully_shard([a, b])``) is one
+    unit for the hooks, as in torch FSDP2: the first of its modules to run in a forward pass
+    unshards it, records it in the forward order, prefetches and marks its inputs for the
+    post-backward; the others only cast their inputs."""
     ctx: RootContext | None = unit.ctx
     if ctx is None:
         ctx = lazy_init(module)
+    mp = unit.mp
+    cast = mp.cast_forward_inputs and mp.param_dtype is not None
     if ctx.in_backward:  # activation-checkpoint recompute: parameters only need to be there
         unit.unshard()
-        return None
-    if ctx.root is module:
-        ctx.begin_forward()
-    ctx.forward_order.append(unit)
-    unit.unshard()
-    _prefetch(unit.forward_prefetch, ctx.next_forward.get(unit))
-    mp = unit.mp
-    if mp.cast_forward_inputs and mp.param_dtype is not None:
+        return _cast_floats((args, kwargs), mp.param_dtype) if cast else None
+    first = not unit.in_forward
+    if first:
+        unit.in_forward = True
+        if len(unit.modules) > 1:
+            unit.modules_to_run = set(unit.modules)
+        if ctx.root is module:
+            ctx.begin_forward()
+        ctx.forward_order.append(unit)
+        unit.unshard()
+        _prefetch(unit.forward_prefetch, ctx.next_forward.get(unit))
+    else:
+        unit.unshard()  # a no-op unless a module of the unit resharded it
+    if cast:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
-    if torch.is_grad_enabled():
+    if first and torch.is_grad_enabled():
         if not kwargs and all(type(a) is torch.Tensor for a in args):  # block(x): no pytree walk
             flat, spec = list(args), None
         else:
@@ -137,15 +149,37 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
             for i, t in zip(idx, outs):
                 flat[i] = t
             args, kwargs = (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
-    if _trace.active is not None:
+    if first and _trace.active is not None:
         unit._t_compute = _trace.now_us()
     return args, kwargs
 
 
 def post_forward(unit: Unit, module: nn.Module, args, output):
+    """After `module`'s forward. For a unit of several modules, the full post-forward (reshard,
+    pre-backward hooks on the output) runs once, after the last of its modules that had not run
+    yet in this pass; the others only cast their outputs. Units whose group did not complete
+    (a module of it skipped) are completed by the root's post-forward."""
     ctx: RootContext = unit.ctx
+    out_dtype = unit.mp.output_dtype
     if ctx.in_backward:
-        return None
+        return None if out_dtype is None else _cast_floats(output, out_dtype)
+    if len(unit.modules) > 1 and unit.in_forward:
+        unit.modules_to_run.discard(module)
+        if unit.modules_to_run:
+            return None if out_dtype is None else _cast_floats(output, out_dtype)
+    output = _complete_forward(unit, output)
+    if ctx.root is module:
+        for other in ctx.units:
+            if other.in_forward and other is not unit:
+                output = _complete_forward(other, output)
+        ctx.end_forward()
+    return output
+
+
+def _complete_forward(unit: Unit, output):
+    ctx: RootContext = unit.ctx
+    unit.in_forward = False
+    unit.modules_to_run = set()
     rec = _trace.active
     if rec is not None and unit._t_compute is not None:
         rec.span("forward", "compute", unit.fqn, unit._t_compute, _trace.now_us())
@@ -163,8 +197,6 @@ def post_forward(unit: Unit, module: nn.Module, args, output):
         for t in (output,) if type(output) is torch.Tensor else tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
-    if ctx.root is module:
-        ctx.end_forward()
     return output
 
 

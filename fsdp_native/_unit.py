@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_native import _comm, _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy
-from fsdp_native._dtensor import make_sharded
+from fsdp_native._dtensor import ShardedDTensor, make_sharded
 from fsdp_native._mesh import MeshInfo
 from fsdp_native._streams import streams_for
 
@@ -72,6 +72,9 @@ class Unit:
         # that differs from the parameter dtype (bf16 compute, fp32 reduce), as torch does.
         self._accumulated: list[torch.Tensor | None] | None = None
         self.fqn = ""
+        # Forward-pass state of the unit as one hook target (several modules may share it).
+        self.in_forward = False
+        self.modules_to_run: set[nn.Module] = set()
         self.ctx = None  # the root context, set at lazy init
         self.acct = Accounting()
         self.total_acct: Accounting | None = None
@@ -141,6 +144,7 @@ class Unit:
                 )._spec
                 sp = nn.Parameter(make_sharded(view, spec), requires_grad=p.requires_grad)
                 sp._local_tensor = view  # Parameter() detached a copy of the wrapper: point it back at our view
+                sp._fsdp_native_unit = self  # who owns it, for the error when it is sharded again
                 self.sharded_params.append(sp)
                 for mod, name in self.owners[i]:
                     mod._parameters[name] = sp
@@ -156,17 +160,22 @@ class Unit:
 
     def readopt(self) -> None:
         """Re-adopts the registered sharded parameters after ``_apply`` / ``to_empty`` /
-        ``load_state_dict(assign=True)`` replaced their tensors, re-packing them into a flat buffer."""
+        ``load_state_dict(assign=True)`` replaced their tensors, re-packing them into a flat
+        buffer. Plain DTensors installed by ``load_state_dict(assign=True)`` (Accelerate's
+        ``cpu_ram_efficient_loading``) become ShardedDTensors in place, so the parameter
+        objects an optimizer may hold stay valid and keep the elementwise fast path."""
         params = []
         for i, owner in enumerate(self.owners):
             mod, name = owner[0]
             params.append(mod._parameters[name])
-        locals_ = [p._local_tensor for p in params]
-        same = all(l is v for l, v in zip(locals_, self.shard_views)) and all(
-            p is sp for p, sp in zip(params, self.sharded_params)
+        same = all(p is sp for p, sp in zip(params, self.sharded_params)) and all(
+            p._local_tensor is v for p, v in zip(params, self.shard_views)
         )
         if same:
             return
+        for i, p in enumerate(params):
+            self._check_replacement(i, p)
+        locals_ = [p._local_tensor for p in params]
         device = locals_[0].device if locals_ else self.shard_device
         if not device.type == "meta" and self.offload is not None:
             device = torch.device("cpu")
@@ -176,7 +185,10 @@ class Unit:
             for p, loc, view in zip(params, locals_, views):
                 if not loc.is_meta and view.numel():
                     view.copy_(loc.reshape(view.shape))
+                if type(p) is not ShardedDTensor:
+                    p.__class__ = ShardedDTensor
                 p._local_tensor = view
+                p._fsdp_native_unit = self
         self.sharded_flat, self.shard_views, self.sharded_params = flat, views, params
         for i, owner in enumerate(self.owners):
             for mod, name in owner:
@@ -185,6 +197,25 @@ class Unit:
         if self.unsharded_flat is not None and self.unsharded_flat.device != self.device and device.type != "meta":
             self.unsharded_flat = None
             self.unsharded_params = []
+
+    def _check_replacement(self, i: int, p) -> None:
+        """A tensor registered in place of sharded parameter `i` must be a DTensor with the
+        same global shape, dtype and placements, else re-packing it would corrupt the unit."""
+        mod, name = self.owners[i][0]
+        where = f"parameter '{name}' of {type(mod).__name__} (unit '{self.fqn}')"
+        ref = self.sharded_params[i]
+        if not isinstance(p, DTensor):
+            raise ValueError(
+                f"fsdp_native: {where} was replaced by a {type(p).__name__} of shape {tuple(p.shape)}, expected a "
+                f"DTensor of shape {tuple(ref.shape)} with placements {ref.placements} (load a sharded state dict, "
+                "e.g. from get_model_state_dict, or load without assign=True)"
+            )
+        if p.shape != ref.shape or p.dtype != ref.dtype or tuple(p.placements) != tuple(ref.placements) or p.device_mesh != ref.device_mesh:
+            raise ValueError(
+                f"fsdp_native: {where} was replaced by a DTensor of shape {tuple(p.shape)}, dtype {p.dtype}, placements "
+                f"{p.placements}, expected shape {tuple(ref.shape)}, dtype {ref.dtype}, placements {ref.placements} "
+                "on the unit's mesh"
+            )
 
     def check_registered(self) -> None:
         """Cheap per-step check that nobody swapped the sharded parameters behind our back."""

@@ -209,6 +209,7 @@ class Cfg:
     steps: int = 3
     local_bsz: int = 2
     n_layers: int | None = None  # default: the base model's
+    head_group: bool = False  # fully_shard([norm, output]): one unit of two modules (Accelerate's)
 
     @property
     def model_args(self):
@@ -257,6 +258,8 @@ def build_fsdp(impl, cfg: Cfg, mesh, seed: int = 0) -> Transformer:
         if cfg.nested:
             impl.fully_shard(layer.feed_forward, **kw)
         impl.fully_shard(layer, **kw)
+    if cfg.head_group:
+        impl.fully_shard([model.norm, model.output], **kw)
     if cfg.ignored:
         root_kw["ignored_params"] = {model.pos_embeddings.weight}
     out = impl.fully_shard(model, **root_kw)

@@ -1,0 +1,147 @@
+"""Memory held by the implementation under test against torch FSDP2, on CPU.
+
+What a process has allocated is read from glibc (``mallinfo2``: bytes in use in every
+malloc arena plus mmapped chunks), which is where torch's CPU allocator gets its memory, so
+it counts every tensor, whoever holds it. Each configuration trains the same model with
+torch FSDP2 and with the implementation under test in the same process, each measured from
+its own start after ``gc.collect()``:
+
+* at the start of each block's backward (a hook on the block's output, after a barrier on
+  the process group so that no collective is in flight: gloo's transient scratch buffers
+  are not what is compared), the bytes allocated since the step began must not exceed
+  torch's: unsharded parameters, all-gather buffers, gradients waiting for their
+  reduction;
+* between steps (after ``optimizer.step()`` and ``zero_grad(set_to_none=True)``);
+* after meta-device init (``to_empty`` + ``reset_parameters``), before the first step;
+* no gradient storage outlives ``zero_grad(set_to_none=True)``.
+
+A slack of 64 KiB covers Python objects and allocator bookkeeping at the backward marks;
+a unit's tensors are hundreds of KiB and more here, so holding one buffer too long fails.
+Between steps and after init, where the whole model and optimizer state is counted and
+caches filled by whichever library ran first differ by a few percent, the slack is 5 %
+more: an extra copy of the parameters, the failure this guards against, is 30 %.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from dist_utils import grid, load_impl, ref_impl, run_distributed, run_grid
+from models import ModelArgs, Transformer
+
+SLACK = 64 << 10
+ARGS = ModelArgs(n_layers=4, dim=128, vocab_size=256, max_seq_len=32, n_heads=4)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+def allocated() -> int:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def _build(impl, mesh, mp: bool, reshard: bool, meta: bool):
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = Transformer(ARGS)
+    kw = dict(mesh=mesh, reshard_after_forward=reshard)
+    if mp:
+        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        impl.fully_shard(layer, **kw)
+    impl.fully_shard(model, **kw)
+    if meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(1)
+        model.reset_parameters()
+    return model
+
+
+def _measure(impl, mesh, mp: bool, reshard: bool, meta: bool) -> dict:
+    gc.collect()
+    start = allocated()
+    model = _build(impl, mesh, mp, reshard, meta)
+    gc.collect()
+    after_init = allocated() - start
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, ARGS.vocab_size, (4, ARGS.max_seq_len), generator=gen)
+    marks: dict[str, int] = {}
+    state = {"on": False, "base": 0}
+
+    def mark(i):
+        def on_output(mod, inp, out):
+            if state["on"] and out.requires_grad:
+
+                def at_backward(grad):
+                    dist.barrier()  # waits for every collective issued before it (gloo)
+                    marks[f"backward of layers.{i}"] = allocated() - state["base"]
+
+                out.register_hook(at_backward)
+
+        return on_output
+
+    handles = [layer.register_forward_hook(mark(i)) for i, layer in enumerate(model.layers)]
+    between = []
+    grad_refs = []
+    for step in range(3):
+        if step == 2:
+            gc.collect()
+            state["on"], state["base"] = True, allocated()
+        loss = model(x).float().sum()
+        loss.backward()
+        grad_refs = [StorageWeakRef(p.grad._local_tensor.untyped_storage()) for p in model.parameters() if p.grad is not None]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        between.append(allocated() - start)
+    for h in handles:
+        h.remove()
+    dead = all(r.expired() for r in grad_refs)
+    del model, opt, loss
+    gc.collect()
+    return dict(after_init=after_init, between=between[-1], marks=marks, grads_freed=dead, n_grads=len(grad_refs))
+
+
+def _check(mp: bool, reshard: bool, meta: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    impl, torch_impl = load_impl(), ref_impl()
+    _measure(impl, mesh, mp, reshard, meta)  # warm-up: first-use allocations of both
+    _measure(torch_impl, mesh, mp, reshard, meta)
+    ref = _measure(torch_impl, mesh, mp, reshard, meta)
+    got = _measure(impl, mesh, mp, reshard, meta)
+    cfg = f"mp={mp} reshard_after_forward={reshard} meta={meta}"
+    assert got["n_grads"] > 0 and got["grads_freed"], f"{cfg}: gradient storage outlived zero_grad(set_to_none=True)"
+    assert ref["grads_freed"], f"{cfg}: torch FSDP2's gradients outlived zero_grad (test harness)"
+    assert got["marks"].keys() == ref["marks"].keys() and len(got["marks"]) == ARGS.n_layers, (got["marks"], ref["marks"])
+    for where, nbytes in ref["marks"].items():
+        assert got["marks"][where] <= nbytes + SLACK, (
+            f"{cfg}: {got['marks'][where] / 2**20:.2f} MiB allocated at the {where}, torch FSDP2 {nbytes / 2**20:.2f} MiB"
+        )
+    assert got["between"] <= ref["between"] * 1.05 + SLACK, (
+        f"{cfg}: {got['between'] / 2**20:.2f} MiB allocated between steps, torch FSDP2 {ref['between'] / 2**20:.2f} MiB"
+    )
+    assert got["after_init"] <= ref["after_init"] * 1.05 + SLACK, (
+        f"{cfg}: {got['after_init'] / 2**20:.2f} MiB allocated after init, torch FSDP2 {ref['after_init'] / 2**20:.2f} MiB"
+    )
+
+
+def _grid():
+    run_grid(grid(mp=[False, True], reshard=[True, False], meta=[False, True]), _check, name="memory")
+
+
+def test_memory_at_most_torch_world_size_2():
+    run_distributed(_grid, 2)
