@@ -1,5 +1,14 @@
 """CUDA kernels of fsdp_native: bit-exact parity with the CPU kernels, and stream_wait
-ordering. Skipped without a GPU (the CUDA build itself is checked by .ci/cuda_check.sh)."""
+ordering. The GPU tests are skipped without a GPU (the CUDA build itself is checked by
+.ci/cuda_check.sh); they cover the kernels' vector and scalar paths: source and destination
+at every element offset mod 16 bytes, odd sizes, padding, special values (NaN payloads,
+infinities, subnormals), segment tables in the kernel parameters (up to 96 segments) and in
+device memory (more), and one parameter larger than 2 GiB.
+
+Two tests run without a GPU: the byte-comparison helper itself, and the kernels' tile body
+(csrc/cuda/packing_tile.cuh) compiled as host C++ and run for every tile and thread of random
+plans (csrc/cuda/tile_host_test.cpp)."""
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,6 +26,7 @@ cuda = pytest.mark.skipif(
 )
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+f32, bf16, f16 = FLOATS
 
 
 @pytest.mark.parametrize("script", [".ci/run", ".ci/cuda_check.sh"])
@@ -163,3 +173,170 @@ def test_stream_wait_orders_streams():
     ops.stream_wait(x, None, side)
     ops.stream_wait(x, main, main)
     torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------
+# the kernels' tile body on the host (no GPU needed)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a host C++ compiler")
+def test_tile_body_on_host(tmp_path):
+    exe = tmp_path / "tile_host_test"
+    subprocess.run(
+        ["c++", "-std=c++17", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas",
+         "-Werror", "-DFSDPN_TILE_HOST_CHECKS", "-I", str(ROOT / "csrc"), str(ROOT / "csrc/cuda/tile_host_test.cpp"),
+         "-o", str(exe)],
+        check=True,
+    )
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    assert "tile body on host: ok" in out, out
+
+
+# ------------------------------------------------------------------------------------------
+# vector / scalar paths, table kinds, special values, sizes
+
+
+def _special(shape, dtype, gen):
+    from test_ops import make_values  # random bits, NaN payloads, infinities, subnormals, ties
+
+    return make_values(tuple(shape), dtype, gen)
+
+
+def _nan_blind(t):
+    """NaNs as one value: arithmetic on NaNs (divide, accumulate) gives the device's canonical
+    NaN where the CPU keeps the payload; NaN-ness must still agree."""
+    if not t.is_floating_point():
+        return t
+    return torch.where(t.isnan(), torch.full((), float("nan"), dtype=t.dtype, device=t.device), t)
+
+
+PAIRS = [(s, d) for s in FLOATS for d in FLOATS]
+
+
+@cuda
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}->{p[1]}".replace("torch.", ""))
+def test_casts_special_values_bitwise(pair):
+    # Conversions only (no arithmetic): bit for bit with the CPU kernels, NaN payloads included.
+    src, dst = pair
+    gen = torch.Generator().manual_seed(40)
+    shapes = [(5000,), (3, 7), (1,), (8193,), ()]
+    shards = [_special(s, src, gen).reshape(-1) for s in shapes]
+    padded = [t.numel() + 3 for t in shards]
+    out_cpu = torch.empty(sum(padded), dtype=dst)
+    ops.all_gather_copy_in(shards, padded, out_cpu)
+    out_gpu = torch.empty(sum(padded), dtype=dst, device="cuda")
+    ops.all_gather_copy_in([t.cuda() for t in shards], padded, out_gpu)
+    _assert_same(out_gpu, out_cpu)
+
+
+@cuda
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}->{p[1]}".replace("torch.", ""))
+def test_arithmetic_special_values(pair, accumulate):
+    src, dst = pair
+    gen = torch.Generator().manual_seed(41)
+    padded = [4096 + 5, 17, 1, 3 * 8192 + 1]
+    shard = _special((sum(padded),), src, gen)
+    grads_cpu = [_special((p - (i % 2),), dst, gen) for i, p in enumerate(padded)]
+    grads_gpu = [g.cuda() for g in grads_cpu]
+    ops.reduce_scatter_copy_out(shard, padded, grads_cpu, divide_factor=3.0, accumulate=accumulate)
+    ops.reduce_scatter_copy_out(shard.cuda(), padded, grads_gpu, divide_factor=3.0, accumulate=accumulate)
+    for g, c in zip(grads_gpu, grads_cpu):
+        _assert_same(_nan_blind(g), _nan_blind(c))
+
+
+ALIGN_PAIRS = [(f32, bf16), (bf16, bf16), (bf16, f32), (f32, f32), (f16, f16), (torch.uint8, torch.uint8)]
+
+
+@cuda
+@pytest.mark.parametrize("pair", ALIGN_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}".replace("torch.", ""))
+def test_every_alignment(pair):
+    # Source and destination at every element offset modulo 16 bytes (vector loads only when
+    # both line up, scalar loads into vector stores when not, scalar head and tail elements),
+    # sizes around a vector and a tile; the bytes around the destination stay untouched.
+    src_dt, dst_dt = pair
+    gen = torch.Generator().manual_seed(42)
+    per16 = 16 // torch.empty((), dtype=dst_dt).element_size()
+    sizes = [1, per16 - 1, per16, per16 + 1, 8 * 1024 + 3, 3 * 32 * 1024 + 5]
+    for src_off in range(per16 + 1):
+        for dst_off in range(0, per16 + 1, 3):
+            for n in sizes[: 4 if (src_off + dst_off) % 2 else 6]:
+                base = _special((n + 64,), src_dt, gen)
+                shard = base[src_off : src_off + n]
+                padded = [n + 7]
+                big_cpu = _special((n + 7 + 2 * per16 + 8,), dst_dt, gen)
+                big_gpu = big_cpu.cuda()
+                ops.all_gather_copy_in([shard], padded, big_cpu[dst_off : dst_off + n + 7])
+                ops.all_gather_copy_in([base.cuda()[src_off : src_off + n]], padded, big_gpu[dst_off : dst_off + n + 7])
+                _assert_same(big_gpu, big_cpu)
+                # copy-out into a destination at an offset (world size 2: two segments)
+                ag = _special((2 * (n + 7),), src_dt, gen)
+                n_out = 2 * n + 3 if 2 * n + 3 <= 2 * (n + 7) else 2 * n
+                outs_cpu = _special((n_out + dst_off + 8,), dst_dt, gen)
+                outs_gpu = outs_cpu.cuda()
+                ops.all_gather_copy_out(ag, padded, 2, [outs_cpu[dst_off : dst_off + n_out]])
+                ops.all_gather_copy_out(ag.cuda(), padded, 2, [outs_gpu[dst_off : dst_off + n_out]])
+                _assert_same(outs_gpu, outs_cpu)
+
+
+@cuda
+@pytest.mark.parametrize("n_params", [3, 16, 17, 96, 97, 500])
+@pytest.mark.parametrize("pair", [(f32, bf16), (bf16, bf16), (bf16, f32)], ids=lambda p: f"{p[0]}->{p[1]}".replace("torch.", ""))
+def test_many_small_params(n_params, pair):
+    # Segment tables of both kinds: in the kernel's parameters (<= 96 segments) and uploaded
+    # (more); copy-out and reduce-scatter copy-in make world_size segments of a parameter.
+    src_dt, dst_dt = pair
+    world_size = 8
+    gen = torch.Generator().manual_seed(43 + n_params)
+    shapes = [(int(torch.randint(1, 30, (), generator=gen)),) + ((3,) if i % 3 == 0 else ()) for i in range(n_params)]
+    padded = [ops.padded_shard_numel(s, world_size) for s in shapes]
+    rank = 5
+    full = [_special(s, src_dt, gen) for s in shapes]
+    shards = [t.reshape(-1)[rank * p : (rank + 1) * p].contiguous() for t, p in zip(full, padded)]
+    out_cpu = torch.empty(sum(padded), dtype=dst_dt)
+    out_gpu = out_cpu.cuda()
+    ops.all_gather_copy_in(shards, padded, out_cpu)
+    ops.all_gather_copy_in([t.cuda() for t in shards], padded, out_gpu)
+    _assert_same(out_gpu, out_cpu)
+
+    ag = _special((world_size * sum(padded),), src_dt, gen)
+    outs_cpu = [torch.empty(s, dtype=dst_dt) for s in shapes]
+    outs_gpu = [torch.empty(s, dtype=dst_dt, device="cuda") for s in shapes]
+    ops.all_gather_copy_out(ag, padded, world_size, outs_cpu)
+    ops.all_gather_copy_out(ag.cuda(), padded, world_size, outs_gpu)
+    for g, c in zip(outs_gpu, outs_cpu):
+        _assert_same(g, c)
+
+    rs_cpu = torch.empty(world_size * sum(padded), dtype=dst_dt)
+    rs_gpu = rs_cpu.cuda()
+    ops.reduce_scatter_copy_in(full, padded, world_size, rs_cpu)
+    ops.reduce_scatter_copy_in([t.cuda() for t in full], padded, world_size, rs_gpu)
+    _assert_same(rs_gpu, rs_cpu)
+
+    shard = _special((sum(padded),), src_dt, gen)
+    grads_cpu = [_special((p,), dst_dt, gen) for p in padded]
+    grads_gpu = [g.cuda() for g in grads_cpu]
+    ops.reduce_scatter_copy_out(shard, padded, grads_cpu, divide_factor=8.0, accumulate=True)
+    ops.reduce_scatter_copy_out(shard.cuda(), padded, grads_gpu, divide_factor=8.0, accumulate=True)
+    for g, c in zip(grads_gpu, grads_cpu):
+        _assert_same(_nan_blind(g), _nan_blind(c))
+
+
+@cuda
+def test_one_huge_param():
+    # More than 2 GiB of source (64-bit offsets; 2^17 tiles): fp32 -> bf16 against torch's own
+    # cast on the device (equal for finite values), and a plain bf16 copy.
+    free, _ = torch.cuda.mem_get_info()
+    if free < 12 * 2**30:
+        pytest.skip(f"needs 12 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    n = (1 << 29) + 3
+    src = torch.randn(n, device="cuda")
+    out = torch.full((n + 13,), 7.0, dtype=bf16, device="cuda")
+    ops.all_gather_copy_in([src], [n + 13], out)
+    assert torch.equal(out[:n], src.to(bf16))
+    assert torch.equal(out[n:], torch.zeros(13, dtype=bf16, device="cuda"))
+    del src
+    big = out[:n].repeat(2)  # 2^30 + 6 bf16 elements, 2 GiB
+    copy = torch.empty_like(big)
+    ops.all_gather_copy_in([big], [big.numel()], copy)
+    assert torch.equal(copy.view(torch.int16), big.view(torch.int16))

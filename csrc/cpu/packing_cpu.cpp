@@ -2,7 +2,7 @@
 // with the element loops compiled once per ISA (AVX-512, AVX2, baseline) and
 // picked at load time, so the casts vectorise on whatever CPU runs them.
 //
-// Casts equal torch's `tensor.to(dtype)` bit for bit, NaNs included (see from_float), and
+// Casts equal torch's `tensor.to(dtype)` bit for bit, NaNs included (see packing_index.h), and
 // divide / accumulate equal `(dst.float() + src.float() * (1 / divide_factor)).to(dst.dtype)`.
 //
 // Ops that write at least kStreamMinBytes (FSDPN_STREAM_MIN_BYTES in the environment overrides
@@ -53,85 +53,9 @@
 namespace fsdp_native {
 namespace {
 
-// Storage types: bf16 and fp16 travel as raw 16-bit words; conversions are bit math.
-struct bf16_t { uint16_t x; };
-struct f16_t { uint16_t x; };
-
-FSDPN_INLINE uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-FSDPN_INLINE float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-FSDPN_INLINE bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
-
-// float16 <-> float by bit math, the algorithm of c10::detail::fp16_ieee_{to,from}_fp32_value
-// (FP16 library, M. Dukhan) restated here so that it inlines into the ISA clones and vectorises.
-FSDPN_INLINE float f16_bits_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  // Normal, inf and NaN: rebias the exponent by 0xe0 then scale by 2^-112 (a NaN keeps its
-  // payload and gets its quiet bit set by the multiply, as F16C's vcvtph2ps does).
-  const float normalized = bits_float((two_w >> 4) + (0xe0u << 23)) * bits_float(15u << 23);
-  // Zero and subnormal: mantissa * 2^-24, built as (0.5 + m * 2^-24) - 0.5.
-  const float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t is_denormal = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // all ones or 0
-  const uint32_t mag =
-      (is_denormal & float_bits(denormalized)) | (~is_denormal & float_bits(normalized));
-  return bits_float(sign | mag);
-}
-
-FSDPN_INLINE uint16_t float_to_f16_bits(float f) {
-  const uint32_t w = float_bits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  // Scale to 2^112 then 2^-110: overflow becomes inf, and the add below rounds the mantissa
-  // to 10 bits (nearest even) at the right exponent, subnormals included.
-  float base = (std::fabs(f) * bits_float(239u << 23)) * bits_float(17u << 23);
-  const uint32_t bias = std::max(shl1_w & 0xff000000u, 0x71000000u);
-  base = bits_float((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = float_bits(base);
-  const uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
-  // NaN: sign and top 10 payload bits kept, quiet bit set (F16C's vcvtps2ph, which torch uses;
-  // c10's scalar version writes 0x7e00 for every NaN).
-  const uint32_t nan = 0x7e00u | ((w >> 13) & 0x3ffu);
-  const uint32_t is_nan = 0u - static_cast<uint32_t>(shl1_w > 0xff000000u);  // all ones or 0
-  return static_cast<uint16_t>((sign >> 16) | (is_nan & nan) | (~is_nan & nonsign));
-}
-
-FSDPN_INLINE float to_float(float v) { return v; }
-FSDPN_INLINE float to_float(bf16_t v) { return bits_float(bf16_to_float_bits(v.x)); }
-FSDPN_INLINE float to_float(f16_t v) { return f16_bits_to_float(v.x); }
-
-// Rounding to nearest even, bit for bit as torch's own CPU casts (`tensor.to(dtype)`, whose
-// AVX2 / AVX-512 kernels run on every x86-64 CPU torch supports with vector units):
-//  * float -> bfloat16: every NaN becomes 0xffff (at::vec's cvtfp32_bf16 blends that in);
-//  * float -> float16: see float_to_f16_bits.
-// (Torch forced to ATEN_CPU_CAPABILITY=default writes bfloat16 NaNs as 0x7fc0 instead.)
-template <typename T> FSDPN_INLINE T from_float(float f);
-template <> FSDPN_INLINE float from_float<float>(float f) { return f; }
-template <> FSDPN_INLINE bf16_t from_float<bf16_t>(float f) {
-  const uint32_t u = float_bits(f);
-  const uint16_t rounded = float_bits_to_bf16(u);
-  return bf16_t{is_nan_bits(u) ? static_cast<uint16_t>(0xffffu) : rounded};
-}
-template <> FSDPN_INLINE f16_t from_float<f16_t>(float f) { return f16_t{float_to_f16_bits(f)}; }
-
-// A plain cast: through float, except float16 -> bfloat16, which torch's CPU copy kernel does
-// element by element with c10's scalar rounding, where every NaN becomes 0x7fc0.
-template <typename S, typename D>
-FSDPN_INLINE D convert(S v) { return from_float<D>(to_float(v)); }
-template <>
-FSDPN_INLINE bf16_t convert<f16_t, bf16_t>(f16_t v) {
-  const uint32_t u = float_bits(to_float(v));
-  const uint16_t rounded = float_bits_to_bf16(u);
-  return bf16_t{is_nan_bits(u) ? static_cast<uint16_t>(0x7fc0u) : rounded};
-}
+// Storage types and bit-exact conversions (bf16_t, f16_t, to_float, from_float, convert) are
+// the shared ones of packing_index.h, which the CUDA kernels use too; the element helpers
+// there are always_inline, so they inline into every ISA clone below.
 
 // --- non-temporal stores ------------------------------------------------------------------
 //
@@ -366,22 +290,18 @@ void run_group(const CopyGroup& g, Mode mode, float scale, bool stream) {
     int64_t s = find_segment(ends.data(), n, begin);
     for (int64_t idx = begin; idx < end; ++s) {
       const Segment& seg = segs[s];
-      const int64_t seg_begin = ends[s] - segment_len(seg);
-      const int64_t lo = idx - seg_begin;
-      const int64_t hi = std::min(end, ends[s]) - seg_begin;
-      const int64_t copy_hi = std::min(hi, seg.n_copy);
-      if (lo < copy_hi) {
-        const void* src = static_cast<const char*>(seg.src) + lo * src_es;
-        void* dst = static_cast<char*>(seg.dst) + lo * dst_es;
-        const int64_t cnt = copy_hi - lo;
+      const SegmentPiece p = segment_piece(seg, ends[s] - segment_len(seg), idx, end);
+      if (p.copy_lo < p.copy_hi) {
+        const void* src = static_cast<const char*>(seg.src) + p.copy_lo * src_es;
+        void* dst = static_cast<char*>(seg.dst) + p.copy_lo * dst_es;
+        const int64_t cnt = p.copy_hi - p.copy_lo;
         if (!plain) fn(src, dst, cnt, scale, stream);
         else if (stream) stream_memcpy(src, dst, cnt * dst_es);
         else std::memcpy(dst, src, static_cast<size_t>(cnt * dst_es));
       }
-      const int64_t zero_lo = std::max(lo, seg.n_copy);
-      if (zero_lo < hi) {
-        std::memset(static_cast<char*>(seg.dst) + zero_lo * dst_es, 0,
-                    static_cast<size_t>((hi - zero_lo) * dst_es));
+      if (p.zero_lo < p.zero_hi) {
+        std::memset(static_cast<char*>(seg.dst) + p.zero_lo * dst_es, 0,
+                    static_cast<size_t>((p.zero_hi - p.zero_lo) * dst_es));
       }
       idx = ends[s] < end ? ends[s] : end;
     }

@@ -1,120 +1,84 @@
-// CUDA kernels of the packing ops. The host planning (csrc/plan.cpp) is shared with
-// the CPU kernels; this file only executes a CopyPlan on the current CUDA stream.
+// CUDA kernels of the packing ops. The host planning (csrc/plan.cpp) is shared with the
+// CPU kernels; this file executes a CopyPlan on the current CUDA stream, one kernel launch
+// per dtype group.
 //
-// Per plan: the segment tables of every dtype group (segments + inclusive prefix
-// `ends`) are packed into one pinned host buffer and uploaded with one non_blocking
-// H2D copy on the current stream. Then one kernel launch per group: each block owns a
-// contiguous chunk of the group's flat element range, finds its first segment once
-// with the shared `find_segment`, and walks the segments overlapping the chunk with
-// its threads striding over elements (coalesced). Plain copies (same dtype, kCopy)
-// are rewritten on the host into the widest word (16/8/4/2/1 bytes) that divides
-// every address and length of the group, so they move 16-byte words when aligned.
+// Work decomposition (packing_index.h, the same functions on host and device): every
+// segment is cut into tiles of at most kThreads * kVecsPerThread 16-byte destination
+// vectors, one thread block per tile (the body: packing_tile.cuh). The host counts each segment's tiles and passes
+// their inclusive prefix sums; a block finds its segment by binary search over them
+// (uniform across the block: no shared memory, no barrier). Inside a tile each thread
+// loads kVecsPerThread vectors before storing any, so enough bytes are in flight to
+// reach the bandwidth of HBM, and stores whole aligned 16-byte vectors; the source is
+// read with vector loads when it is aligned at the same element, else element by element
+// into the vector (the destination stores stay 16-byte). The few elements before the
+// destination's first 16-byte boundary and after its last one are done one at a time.
+//
+// The segment table travels in the kernel's parameters when it fits (up to kInlineTable
+// segments: 4 KiB of parameters), so a small op is one launch and nothing else; larger
+// tables are uploaded with one pinned H2D copy on the stream.
+//
+// Element conversions are those of packing_index.h, as in the CPU kernels, so results are
+// bit-identical to them (NaNs included). Arithmetic uses explicit _rn intrinsics so nvcc
+// does not contract dst + src * scale into an FMA: two roundings, like the CPU loops.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_fp16.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <vector>
 
 #include "../plan.h"
+#include "packing_tile.cuh"
 
 namespace fsdp_native {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kItemsPerThread = 8;
-constexpr int64_t kChunk = kThreads * kItemsPerThread;  // flat elements per block iteration
-constexpr int64_t kMaxBlocks = int64_t{1} << 30;
+using tile::GlobalTable;
+using tile::InlineTable;
+using tile::kThreads;
+using tile::u64_t;
 
-// Storage types: bf16 and fp16 travel as raw 16-bit words; conversions are bit math
-// (bf16: the shared packing_index.h functions, bit-exact with the CPU kernels).
-struct bf16_w { uint16_t x; };
-struct f16_w { uint16_t x; };
+static_assert(tile::kCopy == static_cast<int>(Mode::kCopy) &&
+                  tile::kScale == static_cast<int>(Mode::kScale) &&
+                  tile::kAccumulate == static_cast<int>(Mode::kAccumulate),
+              "packing_tile.cuh's modes must match plan.h's Mode");
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(bf16_w v) { return __uint_as_float(bf16_to_float_bits(v.x)); }
-__device__ __forceinline__ float to_float(f16_w v) { return __half2float(__ushort_as_half(v.x)); }
+constexpr int kInlineTable = 96;  // 96 x 40 B: the kernel's parameters stay under 4 KiB
 
-template <typename T> __device__ __forceinline__ T from_float(float f);
-template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
-template <> __device__ __forceinline__ bf16_w from_float<bf16_w>(float f) {
-  return bf16_w{float_bits_to_bf16(__float_as_uint(f))};
-}
-template <> __device__ __forceinline__ f16_w from_float<f16_w>(float f) {
-  return f16_w{__half_as_ushort(__float2half_rn(f))};
-}
-
-// Element ops. Explicit _rn intrinsics keep nvcc from contracting into FMAs, so the
-// arithmetic rounds exactly like the CPU loops (dst + src * scale, two roundings).
-template <typename S, typename D, Mode M>
-struct CastOp {
-  float scale;
-  __device__ __forceinline__ void copy(const void* src, void* dst, int64_t k) const {
-    const float s = to_float(static_cast<const S*>(src)[k]);
-    D* d = static_cast<D*>(dst) + k;
-    if constexpr (M == Mode::kCopy) {
-      *d = from_float<D>(s);
-    } else if constexpr (M == Mode::kScale) {
-      *d = from_float<D>(__fmul_rn(s, scale));
-    } else {
-      *d = from_float<D>(__fadd_rn(to_float(*d), __fmul_rn(s, scale)));
-    }
-  }
-  __device__ __forceinline__ void zero(void* dst, int64_t k) const {
-    static_cast<D*>(dst)[k] = D{};
-  }
-};
-
-struct alignas(16) w16 { uint64_t a, b; };
-
-template <typename W>
-struct WordOp {
-  __device__ __forceinline__ void copy(const void* src, void* dst, int64_t k) const {
-    static_cast<W*>(dst)[k] = static_cast<const W*>(src)[k];
-  }
-  __device__ __forceinline__ void zero(void* dst, int64_t k) const { static_cast<W*>(dst)[k] = W{}; }
-};
-
-template <typename Op>
+template <typename S, typename D, int M, int N>
 __global__ void __launch_bounds__(kThreads)
-    packing_kernel(const Segment* __restrict__ segs, const int64_t* __restrict__ ends, int64_t n_segs,
-                   int64_t total, Op op) {
-  __shared__ int64_t first_seg;
-  for (int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk; begin < total;
-       begin += static_cast<int64_t>(gridDim.x) * kChunk) {
-    const int64_t end = begin + kChunk < total ? begin + kChunk : total;
-    if (threadIdx.x == 0) first_seg = find_segment(ends, n_segs, begin);
-    __syncthreads();
-    int64_t s = first_seg;
-    __syncthreads();  // everyone has read first_seg before the next iteration rewrites it
-    for (int64_t idx = begin; idx < end; ++s) {
-      const Segment seg = segs[s];
-      const int64_t seg_end = ends[s];
-      const int64_t seg_begin = seg_end - segment_len(seg);
-      const int64_t hi = seg_end < end ? seg_end : end;
-      for (int64_t i = idx + threadIdx.x; i < hi; i += kThreads) {
-        const int64_t k = i - seg_begin;
-        if (k < seg.n_copy) op.copy(seg.src, seg.dst, k);
-        else op.zero(seg.dst, k);
-      }
-      idx = hi;
-    }
+    pack_inline_kernel(const __grid_constant__ InlineTable<N> table, int64_t n_segs,
+                       int64_t n_tiles, float scale) {
+  for (int64_t b = blockIdx.x; b < n_tiles; b += gridDim.x) {
+    tile::do_tile<S, D, M>(table, n_segs, b, static_cast<int>(threadIdx.x), scale);
   }
 }
 
-template <typename Op>
-void launch(const Segment* segs, const int64_t* ends, int64_t n_segs, int64_t total, Op op,
-            cudaStream_t stream) {
-  const int64_t blocks = std::min((total + kChunk - 1) / kChunk, kMaxBlocks);
-  packing_kernel<Op><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(segs, ends, n_segs,
-                                                                              total, op);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+template <typename S, typename D, int M>
+__global__ void __launch_bounds__(kThreads)
+    pack_global_kernel(GlobalTable table, int64_t n_segs, int64_t n_tiles, float scale) {
+  for (int64_t b = blockIdx.x; b < n_tiles; b += gridDim.x) {
+    tile::do_tile<S, D, M>(table, n_segs, b, static_cast<int>(threadIdx.x), scale);
+  }
 }
+
+// --- host side -----------------------------------------------------------------------------
+
+// A group made ready for the device: segments in the unit the kernel indexes (elements, or
+// raw words for plain copies) and the inclusive prefix sums of their tile counts.
+struct DeviceGroup {
+  std::vector<Segment> segs;
+  std::vector<int64_t> tile_ends;
+  int64_t n_tiles = 0;
+  int src_kind = -1, dst_kind = -1;  // float_index, or for plain copies word_kind
+  bool plain = false;
+  size_t offset = 0;  // byte offset of this group's table in the upload buffer (large tables)
+};
 
 int float_index(at::ScalarType t) {
   switch (t) {
@@ -125,85 +89,100 @@ int float_index(at::ScalarType t) {
   }
 }
 
-template <typename S, typename D>
-void launch_cast(Mode mode, float scale, const Segment* segs, const int64_t* ends, int64_t n,
-                 int64_t total, cudaStream_t stream) {
-  switch (mode) {
-    case Mode::kCopy: return launch(segs, ends, n, total, CastOp<S, D, Mode::kCopy>{scale}, stream);
-    case Mode::kScale: return launch(segs, ends, n, total, CastOp<S, D, Mode::kScale>{scale}, stream);
-    case Mode::kAccumulate:
-      return launch(segs, ends, n, total, CastOp<S, D, Mode::kAccumulate>{scale}, stream);
-  }
+int64_t kind_size(bool plain, int kind) {
+  if (plain) return int64_t{1} << kind;  // kind = log2(word bytes)
+  return kind == 0 ? 4 : 2;
 }
-
-template <typename S>
-void launch_cast_src(int di, Mode mode, float scale, const Segment* segs, const int64_t* ends,
-                     int64_t n, int64_t total, cudaStream_t stream) {
-  switch (di) {
-    case 0: return launch_cast<S, float>(mode, scale, segs, ends, n, total, stream);
-    case 1: return launch_cast<S, bf16_w>(mode, scale, segs, ends, n, total, stream);
-    default: return launch_cast<S, f16_w>(mode, scale, segs, ends, n, total, stream);
-  }
-}
-
-// A group made ready for the device: segments in the unit the kernel indexes
-// (elements, or words for plain copies) and their inclusive prefix ends.
-struct DeviceGroup {
-  std::vector<Segment> segs;
-  std::vector<int64_t> ends;
-  int64_t total = 0;
-  bool plain = false;
-  int64_t word = 0;     // plain: bytes per word
-  int si = -1, di = -1;  // cast: float_index of src / dst
-  size_t offset = 0;    // byte offset of this group's table in the upload buffer
-};
 
 DeviceGroup prepare(const CopyGroup& g, Mode mode) {
   DeviceGroup d;
   d.segs = g.segments;
   d.plain = g.src_dtype == g.dst_dtype && mode == Mode::kCopy;
   if (d.plain) {
-    // Widest power-of-two word dividing every address and byte length of the group.
+    // Bits as they are, in words of the element size (two words for 16-byte dtypes).
     const int64_t es = c10::elementSize(g.src_dtype);
-    uint64_t bits = 16;
-    for (const auto& s : d.segs) {
-      bits |= reinterpret_cast<uintptr_t>(s.src) | reinterpret_cast<uintptr_t>(s.dst) |
-              static_cast<uint64_t>(s.n_copy * es) | static_cast<uint64_t>(s.n_zero * es);
-    }
-    d.word = static_cast<int64_t>(bits & (~bits + 1));  // lowest set bit, <= 16
+    const int64_t word = std::min<int64_t>(es, 8);
+    TORCH_INTERNAL_ASSERT(es % word == 0 && (word & (word - 1)) == 0,
+                          "fsdp_native: no CUDA kernel for element size ", es);
     for (auto& s : d.segs) {
-      s.n_copy = s.n_copy * es / d.word;
-      s.n_zero = s.n_zero * es / d.word;
+      s.n_copy = s.n_copy * es / word;
+      s.n_zero = s.n_zero * es / word;
     }
+    d.src_kind = d.dst_kind = word == 1 ? 0 : word == 2 ? 1 : word == 4 ? 2 : 3;
   } else {
-    d.si = float_index(g.src_dtype);
-    d.di = float_index(g.dst_dtype);
-    TORCH_INTERNAL_ASSERT(d.si >= 0 && d.di >= 0, "fsdp_native: no CUDA kernel for ", g.src_dtype,
-                          " -> ", g.dst_dtype);
+    d.src_kind = float_index(g.src_dtype);
+    d.dst_kind = float_index(g.dst_dtype);
+    TORCH_INTERNAL_ASSERT(d.src_kind >= 0 && d.dst_kind >= 0, "fsdp_native: no CUDA kernel for ",
+                          g.src_dtype, " -> ", g.dst_dtype);
   }
-  d.ends.resize(d.segs.size());
-  for (size_t i = 0; i < d.segs.size(); ++i) d.ends[i] = (d.total += segment_len(d.segs[i]));
+  const int64_t dst_es = kind_size(d.plain, d.dst_kind);
+  d.tile_ends.resize(d.segs.size());
+  d.n_tiles = tile::count_tiles(d.segs.data(), static_cast<int64_t>(d.segs.size()), dst_es,
+                                d.tile_ends.data());
   return d;
 }
 
-void launch_group(const DeviceGroup& g, const char* dev_base, Mode mode, float scale,
-                  cudaStream_t stream) {
-  const auto* segs = reinterpret_cast<const Segment*>(dev_base + g.offset);
-  const auto* ends = reinterpret_cast<const int64_t*>(dev_base + g.offset + g.segs.size() * sizeof(Segment));
+unsigned grid_for(int64_t n_tiles) {
+  return static_cast<unsigned>(std::min<int64_t>(n_tiles, INT_MAX));
+}
+
+template <int N>
+InlineTable<N> inline_table(const DeviceGroup& g) {
+  InlineTable<N> t;
+  std::memset(&t, 0, sizeof(t));
+  std::copy(g.segs.begin(), g.segs.end(), t.segs);
+  std::copy(g.tile_ends.begin(), g.tile_ends.end(), t.tile_ends);
+  return t;
+}
+
+template <typename S, typename D, Mode mode>
+void launch(const DeviceGroup& g, const char* dev_base, float scale, cudaStream_t stream) {
+  constexpr int M = static_cast<int>(mode);
   const int64_t n = static_cast<int64_t>(g.segs.size());
+  const unsigned grid = grid_for(g.n_tiles);
+  if (n <= kInlineTable) {
+    pack_inline_kernel<S, D, M, kInlineTable>
+        <<<grid, kThreads, 0, stream>>>(inline_table<kInlineTable>(g), n, g.n_tiles, scale);
+  } else {
+    const GlobalTable t{reinterpret_cast<const Segment*>(dev_base + g.offset),
+                        reinterpret_cast<const int64_t*>(dev_base + g.offset + n * sizeof(Segment))};
+    pack_global_kernel<S, D, M><<<grid, kThreads, 0, stream>>>(t, n, g.n_tiles, scale);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename S, typename D>
+void launch_mode(const DeviceGroup& g, const char* base, Mode mode, float scale, cudaStream_t st) {
+  switch (mode) {
+    case Mode::kCopy: return launch<S, D, Mode::kCopy>(g, base, scale, st);
+    case Mode::kScale: return launch<S, D, Mode::kScale>(g, base, scale, st);
+    case Mode::kAccumulate: return launch<S, D, Mode::kAccumulate>(g, base, scale, st);
+  }
+}
+
+template <typename S>
+void launch_cast(const DeviceGroup& g, const char* base, Mode mode, float scale, cudaStream_t st) {
+  switch (g.dst_kind) {
+    case 0: return launch_mode<S, float>(g, base, mode, scale, st);
+    case 1: return launch_mode<S, bf16_t>(g, base, mode, scale, st);
+    default: return launch_mode<S, f16_t>(g, base, mode, scale, st);
+  }
+}
+
+void launch_group(const DeviceGroup& g, const char* base, Mode mode, float scale,
+                  cudaStream_t stream) {
   if (g.plain) {
-    switch (g.word) {
-      case 16: return launch(segs, ends, n, g.total, WordOp<w16>{}, stream);
-      case 8: return launch(segs, ends, n, g.total, WordOp<uint64_t>{}, stream);
-      case 4: return launch(segs, ends, n, g.total, WordOp<uint32_t>{}, stream);
-      case 2: return launch(segs, ends, n, g.total, WordOp<uint16_t>{}, stream);
-      default: return launch(segs, ends, n, g.total, WordOp<uint8_t>{}, stream);
+    switch (g.src_kind) {
+      case 0: return launch<uint8_t, uint8_t, Mode::kCopy>(g, base, scale, stream);
+      case 1: return launch<uint16_t, uint16_t, Mode::kCopy>(g, base, scale, stream);
+      case 2: return launch<uint32_t, uint32_t, Mode::kCopy>(g, base, scale, stream);
+      default: return launch<u64_t, u64_t, Mode::kCopy>(g, base, scale, stream);
     }
   }
-  switch (g.si) {
-    case 0: return launch_cast_src<float>(g.di, mode, scale, segs, ends, n, g.total, stream);
-    case 1: return launch_cast_src<bf16_w>(g.di, mode, scale, segs, ends, n, g.total, stream);
-    default: return launch_cast_src<f16_w>(g.di, mode, scale, segs, ends, n, g.total, stream);
+  switch (g.src_kind) {
+    case 0: return launch_cast<float>(g, base, mode, scale, stream);
+    case 1: return launch_cast<bf16_t>(g, base, mode, scale, stream);
+    default: return launch_cast<f16_t>(g, base, mode, scale, stream);
   }
 }
 
@@ -234,36 +213,41 @@ void run_plan_cuda(const CopyPlan& plan) {
 
   std::vector<DeviceGroup> groups;
   groups.reserve(plan.groups.size());
-  size_t bytes = 0;
+  size_t upload = 0;  // bytes of the tables too large for the kernel parameters
   for (const auto& g : plan.groups) {
     groups.push_back(prepare(g, plan.mode));
     auto& d = groups.back();
-    if (d.total == 0) {
+    if (d.n_tiles == 0) {
       groups.pop_back();
       continue;
     }
-    d.offset = bytes;
-    bytes += d.segs.size() * (sizeof(Segment) + sizeof(int64_t));  // both 8-byte aligned
+    if (d.segs.size() > static_cast<size_t>(kInlineTable)) {
+      d.offset = upload;
+      upload += d.segs.size() * (sizeof(Segment) + sizeof(int64_t));  // both 8-byte aligned
+    }
   }
   if (groups.empty()) return;
 
-  // One pinned staging buffer and one H2D copy on the current stream. The caching host
-  // allocator records the copy's stream event, so freeing `host` at scope exit is safe;
-  // `dev` is freed to the caching device allocator in this stream's order, after the kernels.
-  const at::Tensor host =
-      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  char* h = static_cast<char*>(host.data_ptr());
-  for (const auto& d : groups) {
-    std::memcpy(h + d.offset, d.segs.data(), d.segs.size() * sizeof(Segment));
-    std::memcpy(h + d.offset + d.segs.size() * sizeof(Segment), d.ends.data(),
-                d.ends.size() * sizeof(int64_t));
-  }
-  const at::Tensor dev =
-      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(plan.device));
-  dev.copy_(host, /*non_blocking=*/true);
-
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(plan.device.index()).stream();
-  const char* base = static_cast<const char*>(dev.const_data_ptr());
+  at::Tensor dev;  // alive until the launches are queued; freed in this stream's order
+  const char* base = nullptr;
+  if (upload > 0) {
+    // One pinned staging buffer and one H2D copy on the current stream. The caching host
+    // allocator records the copy's stream event, so freeing `host` at scope exit is safe.
+    const at::Tensor host = at::empty({static_cast<int64_t>(upload)},
+                                      at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    char* h = static_cast<char*>(host.data_ptr());
+    for (const auto& d : groups) {
+      if (d.segs.size() <= static_cast<size_t>(kInlineTable)) continue;
+      std::memcpy(h + d.offset, d.segs.data(), d.segs.size() * sizeof(Segment));
+      std::memcpy(h + d.offset + d.segs.size() * sizeof(Segment), d.tile_ends.data(),
+                  d.tile_ends.size() * sizeof(int64_t));
+    }
+    dev = at::empty({static_cast<int64_t>(upload)},
+                    at::TensorOptions().dtype(at::kByte).device(plan.device));
+    dev.copy_(host, /*non_blocking=*/true);
+    base = static_cast<const char*>(dev.const_data_ptr());
+  }
   const float scale = static_cast<float>(plan.scale);
   for (const auto& d : groups) launch_group(d, base, plan.mode, scale, stream);
 }
