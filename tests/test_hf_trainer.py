@@ -102,6 +102,8 @@ def trainer_run(impl, *, bf16=False, ga=1, use_cpu=True, generate=False, **cfg_o
         params = full_params(trainer.model)
         tokens = None
         if generate:
+            # Trainer.train registered generate with register_fsdp_forward_method.
+            assert hasattr(trainer.model.generate, "__wrapped__"), "generate is not registered as an FSDP forward method"
             prompt = torch.arange(6).reshape(1, 6) % VOCAB
             with torch.no_grad():
                 tokens = trainer.model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, use_cache=False)
