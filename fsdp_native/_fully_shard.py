@@ -213,7 +213,8 @@ def _check_not_sharded(modules, params, owners) -> None:
         mod = owner[0][0]
         unit = getattr(p, "_fsdp_native_unit", None)
         if unit is not None:
-            holder = type(unit.modules[0]).__name__
+            holder_cls = type(unit.modules[0])
+            holder = (holder_cls.__bases__[1] if issubclass(holder_cls, FSDPModule) else holder_cls).__name__
             raise ValueError(
                 f"fully_shard: argument 'module' ({type(modules[0]).__name__}) has parameter '{name}' of "
                 f"{type(mod).__name__} that is already sharded by fsdp_native in the unit of {holder}"

@@ -23,7 +23,6 @@ class RootContext:
         self.in_backward = False
         self.callback_queued = False
         self.forward_order: list[Unit] = []
-        self.last_forward: Unit | None = units[-1] if units else None
         self.next_forward: dict[Unit, Unit] = {}
         self.prev_forward: dict[Unit, Unit] = {}
         self._set_order(units)
@@ -56,7 +55,6 @@ class RootContext:
             self._set_order(self.forward_order)
         for u in self.units:  # prefetched all-gathers that no forward used
             u.release_pending()
-        self.last_forward = self.forward_order[-1] if self.forward_order else None
 
     def begin_backward(self) -> None:
         if self.in_backward:
@@ -177,7 +175,6 @@ def post_forward(unit: Unit, module: nn.Module, args, output):
 
 
 def _complete_forward(unit: Unit, output):
-    ctx: RootContext = unit.ctx
     unit.in_forward = False
     unit.modules_to_run = set()
     rec = _trace.active
@@ -185,11 +182,9 @@ def _complete_forward(unit: Unit, output):
         rec.span("forward", "compute", unit.fqn, unit._t_compute, _trace.now_us())
         unit._t_compute = None
     if unit.reshard_after_forward:
-        # The last unit of the forward is the first of the backward: it is resharded (the
-        # sharded parameters are registered, as torch does) but keeps its unsharded data for
-        # the backward, which would all-gather it again at once.
-        keep = unit is ctx.last_forward and torch.is_grad_enabled()
-        unit.reshard(after_forward=True, keep_data=keep)
+        # Also the forward's last unit, which the backward gathers again at once: keeping its
+        # data would hold it through the loss, often the step's peak (tests/test_memory.py).
+        unit.reshard(after_forward=True)
     if unit.mp.output_dtype is not None:
         output = _cast_floats(output, unit.mp.output_dtype)
     if torch.is_grad_enabled():

@@ -116,8 +116,6 @@ class Unit:
         self._pf_shard: torch.Tensor | None = None
         self._pf_shard_in_flight: torch.Tensor | None = None  # input of an in-flight all-gather: kept alive
         self._pf_keep: torch.Tensor | None = None
-        # Version of the sharded buffer when resharding kept the unsharded data (-1: not kept).
-        self._kept_version = -1
         # Sharded gradients the in-flight reduce-scatter writes into directly (fresh each step:
         # a user may keep last step's gradients, as with torch).
         self._pending_grads: tuple[torch.Tensor, list[DTensor]] | None = None
@@ -269,8 +267,6 @@ class Unit:
         """Starts this unit's all-gather (asynchronously) unless it is unsharded or in flight."""
         if self.is_unsharded or self.pending_ag is not None or self.total_padded == 0:
             return
-        if self._reuse_kept():
-            return
         if self.sharded_flat.is_meta:
             mod, name = self.owners[0][0] if self.owners else (self.modules[0], "?")
             raise RuntimeError(
@@ -364,24 +360,6 @@ class Unit:
         self.issue_all_gather()
         self.wait_all_gather()
 
-    def _shard_version(self) -> int:
-        """Changes whenever the sharded parameters are written: in-place ops on the DTensors
-        bump their own version counters, writes to the local views bump the flat buffer's."""
-        return self.sharded_flat._version + sum(p._version for p in self.sharded_params)
-
-    def _reuse_kept(self) -> bool:
-        """Re-registers unsharded data kept by the last reshard, if the sharded parameters
-        have not been written since (the version counter is shared by all their views)."""
-        if self._kept_version < 0:
-            return False
-        same = self._kept_version == self._shard_version()
-        self._kept_version = -1
-        if same:
-            self._to_unsharded()
-            return True
-        self._free_unsharded()
-        return False
-
     def _to_unsharded(self) -> None:
         ups = self.unsharded_params
         for (params, name), i in zip(self._slots, self._slot_index):
@@ -394,18 +372,12 @@ class Unit:
             params[name] = sps[i]
         self.is_unsharded = False
 
-    def reshard(self, after_forward: bool = False, keep_data: bool = False) -> None:
+    def reshard(self, after_forward: bool = False) -> None:
         if self.pending_ag is not None:
             self.wait_all_gather()
         if not self.is_unsharded:
-            if self._kept_version >= 0 and not keep_data:
-                self._kept_version = -1
-                self._free_unsharded()
             return
         self._to_sharded()
-        if keep_data:
-            self._kept_version = self._shard_version()
-            return
         keep = self._pf_keep
         if after_forward and self.post_forward is not None and keep is not None:
             self._pf_shard = keep.clone()

@@ -150,9 +150,8 @@ def _check_counts(**kw) -> None:
         unit = model.norm._unit
         gathered = unit.total_padded * unit.world_size * 4
         per_unit = rec.bytes_summary()[0]["norm"]
-        passes = 2 if cfg.reshard is True else 1
-        # The group is the forward's last unit: it keeps its data for the backward.
-        assert per_unit["all_gather"] == gathered * (passes - 1 if cfg.reshard is True else 1), per_unit
+        passes = 2 if cfg.reshard is True else 1  # forward, and backward after resharding
+        assert per_unit["all_gather"] == gathered * passes, f"the [norm, output] unit must be gathered {passes}x: {per_unit}"
         assert per_unit["reduce_scatter"] == gathered, f"the [norm, output] unit must be reduced once: {per_unit}"
 
 

@@ -6,7 +6,8 @@ it counts every tensor, whoever holds it. Each configuration trains the same mod
 torch FSDP2 and with the implementation under test in the same process, each measured from
 its own start after ``gc.collect()``:
 
-* at the start of each block's backward (a hook on the block's output, after a barrier on
+* at the loss (the forward done, the backward not started), where the logits make many
+  models peak, and at the start of each block's backward (a hook on the block's output, after a barrier on
   the process group so that no collective is in flight: gloo's transient scratch buffers
   are not what is compared), the bytes allocated since the step began must not exceed
   torch's: unsharded parameters, all-gather buffers, gradients waiting for their
@@ -100,6 +101,9 @@ def _measure(impl, mesh, mp: bool, reshard: bool, meta: bool) -> dict:
             gc.collect()
             state["on"], state["base"] = True, allocated()
         loss = model(x).float().sum()
+        if state["on"]:
+            dist.barrier()
+            marks["loss (end of forward)"] = allocated() - state["base"]
         loss.backward()
         grad_refs = [StorageWeakRef(p.grad._local_tensor.untyped_storage()) for p in model.parameters() if p.grad is not None]
         opt.step()
@@ -126,7 +130,7 @@ def _check(mp: bool, reshard: bool, meta: bool) -> None:
     cfg = f"mp={mp} reshard_after_forward={reshard} meta={meta}"
     assert got["n_grads"] > 0 and got["grads_freed"], f"{cfg}: gradient storage outlived zero_grad(set_to_none=True)"
     assert ref["grads_freed"], f"{cfg}: torch FSDP2's gradients outlived zero_grad (test harness)"
-    assert got["marks"].keys() == ref["marks"].keys() and len(got["marks"]) == ARGS.n_layers, (got["marks"], ref["marks"])
+    assert got["marks"].keys() == ref["marks"].keys() and len(got["marks"]) == ARGS.n_layers + 1, (got["marks"], ref["marks"])
     for where, nbytes in ref["marks"].items():
         assert got["marks"][where] <= nbytes + SLACK, (
             f"{cfg}: {got['marks'][where] / 2**20:.2f} MiB allocated at the {where}, torch FSDP2 {nbytes / 2**20:.2f} MiB"

@@ -142,14 +142,13 @@ def _check_trace(model, rec, marks, *, ws, raf, mp, frozen, hsdp) -> None:
 
         # All-gathers: one per unit in forward; in backward one per resharded unit.
         ags = [s for s in spans if s.lane == "all_gather"]
-        last_block = max((u for u in units if u), key=lambda u: int(u.rsplit(".", 1)[1]))
         n_ag = {}
         for u in units:
             fwd = [s for s in ags if s.unit == u and s.start_us < t_fwd]
             bwd = [s for s in ags if s.unit == u and s.start_us >= t_fwd]
-            # The root keeps its parameters (reshard_after_forward=None); the last block of the
-            # forward keeps its unsharded data for the backward, which starts with it.
-            regather = raf and u not in ("", last_block)
+            # The root keeps its parameters (reshard_after_forward=None); every other unit,
+            # the forward's last block included, is gathered again in backward (as torch does).
+            regather = raf and u != ""
             assert len(fwd) == 1, f"step {step}, unit {u!r}: {len(fwd)} all-gathers in forward, expected 1"
             assert len(bwd) == int(regather), (
                 f"step {step}, unit {u!r}: {len(bwd)} all-gathers in backward, expected {int(regather)} "
