@@ -14,19 +14,23 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
+import sys
 import time
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import harness as H  # noqa: E402
 
 
-def _rank(rank: int, store_path: str, sizes_kib: list[int], iters: int, queue) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    torch.set_num_threads(1)
+def _rank(rank: int, world_size: int, port: int, sizes_kib: list[int], iters: int):
+    H.init_pg(rank, world_size, port)
     from fsdp_native import _comm, _compat
 
     _comm.P2P_MIN_BYTES = 1
@@ -56,9 +60,8 @@ def _rank(rank: int, store_path: str, sizes_kib: list[int], iters: int, queue) -
                 results[name][1].append(cpu)
         for name, (walls, cpus) in results.items():
             rows.append((kib, name, statistics.median(walls), statistics.median(cpus)))
-    if rank == 0:
-        queue.put(rows)
     dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -66,11 +69,7 @@ def main() -> None:
     ap.add_argument("--sizes-kib", type=int, nargs="+", default=[129, 1024, 4096, 9216])
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    mp.start_processes(_rank, args=(store, args.sizes_kib, args.iters, queue), nprocs=2, start_method="spawn")
-    rows = queue.get()
+    rows = H.run_ranks(_rank, args.sizes_kib, args.iters, world_size=2)
     print("| KiB per peer | operation | wall ms | CPU ms (rank 0) |")
     print("|---|---|---|---|")
     for kib, name, wall, cpu in rows:

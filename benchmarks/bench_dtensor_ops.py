@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -19,6 +19,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import harness as H  # noqa: E402
 
 OPS = {
     "p.mul_(number)": lambda p, g: p.mul_(0.99),
@@ -38,8 +44,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2000)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    H.init_single_process_group("gloo")
     from fsdp_native._dtensor import make_sharded
 
     mesh = init_device_mesh("cpu", (1,))

@@ -39,20 +39,20 @@ training thread waited on communication) is reported, and for one configuration 
 implicit prefetch, reshard_after_forward=True) both are written as Chrome traces and drawn with
 ``fsdp_native.plot_timeline`` when ``--timeline-dir`` is given.
 
-Launching reuses benchmarks/bench_step.py (process group setup, spawn, result queue).
+Launching, the batches and the timing helpers are benchmarks/harness.py's.
 """
 from __future__ import annotations
 
 import os
 import sys
 
+# Before torch is imported, here and in the spawned ranks (they re-import this module).
+os.environ["OMP_NUM_THREADS"] = os.environ.get("BENCH_STEP_THREADS", "1")
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-
-# bench_step sets OMP_NUM_THREADS before torch is imported (here and in the spawned ranks).
-from benchmarks import bench_step as bs  # noqa: E402
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -66,7 +66,10 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks import harness as H  # noqa: E402
 from benchmarks.models import MODEL_CONFIGS, build_model, shard_model  # noqa: E402
+
+WORLD_SIZE = 2
 
 IMPLS = ["torch", "fsdp_native"]
 PREFETCH = ["implicit", "explicit-1", "explicit-2"]
@@ -80,7 +83,7 @@ SCHEDULE = {
 # --quick runs the compute-bound model on a quarter of its per-rank batch (2x128 tokens
 # instead of 8x128): a quarter of the compute, the same communication.
 QUICK_INPUT_SHAPE = {"compute": (2, 128, 768)}
-SEED = bs.SEED
+SEED = H.SEED
 
 
 def now_us() -> float:
@@ -290,7 +293,7 @@ class Runner:
     """One sharded model of one implementation in one configuration."""
 
     def __init__(self, impl: str, cfg, mesh, prefetch: str, raf: bool) -> None:
-        fully_shard, _ = bs.load_impl(impl)
+        fully_shard = H.load_impl(impl).fully_shard
         model = build_model(cfg, SEED)
 
         def shard(module, **kw):
@@ -316,11 +319,9 @@ class Runner:
 
 
 def step_fwd_bwd(model, cfg, i: int) -> None:
-    x, target = bs.make_batch(cfg, dist.get_rank(), i)
+    x, target = H.make_batch(cfg.input_shape, dist.get_rank(), i)
     model.zero_grad(set_to_none=True)
-    out = model(x)
-    loss = (out.float() - target).pow(2).mean()
-    loss.backward()
+    H.loss_fn(model(x), target).backward()
 
 
 class Replay:
@@ -406,12 +407,12 @@ def model_config(model_name: str, quick: bool):
     return cfg
 
 
-def _overlap_rank(rank: int, port: int, model_name: str, quick: bool, configs: list, sched, trace_dir, queue) -> None:
+def _overlap_rank(rank: int, world_size: int, port: int, model_name: str, quick: bool, configs: list, sched, trace_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
-    bs._init_pg(rank, port)
+    H.init_pg(rank, world_size, port)
     cfg = model_config(model_name, quick)
-    mesh = init_device_mesh("cpu", (bs.WORLD_SIZE,))
+    mesh = init_device_mesh("cpu", (world_size,))
     plain = build_model(cfg, SEED)
     warmup, measured = sched
     plain_steps = [0]
@@ -443,7 +444,7 @@ def _overlap_rank(rank: int, port: int, model_name: str, quick: bool, configs: l
         for k in range(measured):
             for name, fn in items if k % 2 == 0 else items[::-1]:
                 times[name].append(_timed(fn))
-        times = {name: bs._max_over_ranks(ts) for name, ts in times.items()}
+        times = {name: H.max_over_ranks(ts) for name, ts in times.items()}
         results.append(
             {
                 "model": model_name,
@@ -458,14 +459,8 @@ def _overlap_rank(rank: int, port: int, model_name: str, quick: bool, configs: l
             print(f"  [{model_name} {prefetch} raf={raf}] {time.time() - t_cfg:.0f}s", file=sys.stderr, flush=True)
         del runners, replays
         gc.collect()
-    if rank == 0:
-        queue.put(results)
     dist.destroy_process_group()
-
-
-# bench_step's launcher looks rank bodies up by name in its own module; the spawned ranks
-# import this module first (it is their __main__), so the registration happens there too.
-bs._overlap_rank = _overlap_rank
+    return results
 
 
 # --------------------------------------------------------------------------------------------
@@ -561,7 +556,7 @@ def describe_run(argv: list[str], args) -> str:
         for c in [model_config(m, args.quick)]
     )
     return (
-        f"Machine: {os.cpu_count()} cores ({bs._cpu_name()}), torch {torch.__version__}; {bs.WORLD_SIZE} ranks, gloo, "
+        f"Machine: {os.cpu_count()} cores ({H.cpu_name()}), torch {torch.__version__}; {WORLD_SIZE} ranks, gloo, "
         f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, fp32.\n"
         f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/bench_overlap.py', *argv])}`\n"
         f"Schedule: {sched}; a round times compute, each implementation's step and its comm replay, "
@@ -577,7 +572,7 @@ def plot(trace_dir: str, impl: str, png: str) -> None:
     import fsdp_native
 
     paths = []
-    for r in range(bs.WORLD_SIZE):
+    for r in range(WORLD_SIZE):
         src = os.path.join(trace_dir, f"overlap_{impl}_rank{r}.json")
         with open(src) as f:
             trace = json.load(f)
@@ -610,7 +605,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     for impl in IMPLS:
-        bs.load_impl(impl)
+        H.load_impl(impl)
     configs = [(pf, raf == "True") for raf in args.reshard for pf in args.prefetch]
     trace_dir = None
     if args.timeline_dir:
@@ -620,8 +615,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for model_name in args.models:
         print(f"running {model_name}: {len(configs)} configurations", file=sys.stderr, flush=True)
-        (res,) = bs._run_ranks(
-            "_overlap_rank", model_name, args.quick, configs, schedule(model_name, args), trace_dir, n_results=1
+        res = H.run_ranks(
+            _overlap_rank, model_name, args.quick, configs, schedule(model_name, args), trace_dir, world_size=WORLD_SIZE
         )
         results += res
 

@@ -21,7 +21,8 @@ For every config (model x precision) this runs, each in its own fresh processes:
    copy with fp32 master weights, the math of FSDP2 mixed precision without communication).
 
 An implementation is `torch` (torch.distributed.fsdp), `fsdp_native`, or any importable module
-exposing `fully_shard` and `MixedPrecisionPolicy`.
+exposing `fully_shard`, `MixedPrecisionPolicy` and `FSDPModule`. Launching, the step and the
+timing helpers are benchmarks/harness.py's.
 """
 from __future__ import annotations
 
@@ -32,27 +33,22 @@ import sys
 # Before torch is imported, here and in the spawned ranks (they re-import this module).
 os.environ["OMP_NUM_THREADS"] = os.environ.get("BENCH_STEP_THREADS", "1")
 
-import datetime  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import resource  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
-import warnings  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.models import MODEL_CONFIGS, ModelConfig, build_model, shard_model  # noqa: E402
+from benchmarks import harness as H  # noqa: E402
+from benchmarks.harness import LR, SEED, Trainer, load_impl, make_batch, max_over_ranks  # noqa: E402,F401
+from benchmarks.models import MODEL_CONFIGS, ModelConfig, build_model  # noqa: E402
 
 WORLD_SIZE = 2
 CONFIG_NAMES = ["overhead-fp32", "compute-fp32", "compute-bf16"]
@@ -64,8 +60,6 @@ SCHEDULE = {
     "compute": {"full": (2, 16, 1), "quick": (1, 3, 1)},
 }
 MEMORY_STEPS = {"full": 3, "quick": 2}
-LR = 1e-3
-SEED = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,90 +73,17 @@ def split_config(name: str) -> tuple[ModelConfig, str]:
     return MODEL_CONFIGS[model], precision
 
 
-def load_impl(name: str):
-    """-> (fully_shard, MixedPrecisionPolicy) of an implementation."""
-    module = {"torch": "torch.distributed.fsdp"}.get(name, name)
-    mod = importlib.import_module(module)
-    return mod.fully_shard, mod.MixedPrecisionPolicy
-
-
 def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def make_batch(cfg: ModelConfig, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1_000_003 * (rank + 1) + step)
-    x = torch.randn(cfg.input_shape, generator=g)
-    target = torch.randn(cfg.input_shape, generator=g)
-    return x, target
-
-
-class Trainer:
-    """One sharded model + AdamW; `step()` runs one timed training step."""
-
-    def __init__(self, impl: str, cfg: ModelConfig, precision: str, rank: int):
-        fully_shard, MixedPrecisionPolicy = load_impl(impl)
-        mp_policy = None
-        if precision == "bf16":
-            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        self.model = shard_model(build_model(cfg, SEED), fully_shard, mp_policy)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
-        self.cfg, self.rank = cfg, rank
-        self.steps = 0
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []  # process CPU time (all threads) of this rank
-        self.phases: list[tuple[float, float, float]] = []  # zero_grad+forward+loss, backward, optimizer
-        self.losses: list[float] = []
-
-    def step(self, record: bool) -> None:
-        x, target = make_batch(self.cfg, self.rank, self.steps)
-        dist.barrier()
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        out = self.model(x)
-        loss = (out.float() - target).pow(2).mean()
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        self.opt.step()
-        t3 = time.perf_counter()
-        dc = time.process_time() - c0
-        self.steps += 1
-        self.losses.append(loss.item())
-        if record:
-            self.times.append(t3 - t0)
-            self.cpu_times.append(dc)
-            self.phases.append((t1 - t0, t2 - t1, t3 - t2))
-
-
-def _init_pg(rank: int, port: int) -> None:
-    # torch FSDP2 warns on every step that the root returns a view (the output Linear on 3-D input).
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*", category=FutureWarning)
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=600),
-    )
-
-
-def _max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 # --------------------------------------------------------------------------------------------
-# rank bodies (run in spawned processes)
+# rank bodies (run in spawned processes by harness.run_ranks)
 
 
-def _timing_rank(rank: int, port: int, config: str, impls: list[str], sched, queue) -> None:
+def _timing_rank(rank: int, world_size: int, port: int, config: str, impls: list[str], sched):
     cfg, precision = split_config(config)
-    _init_pg(rank, port)
+    H.init_pg(rank, world_size, port)
     trainers = [Trainer(impl, cfg, precision, rank) for impl in impls]
     warmup, measured, block = sched
     for _ in range(warmup):
@@ -174,33 +95,30 @@ def _timing_rank(rank: int, port: int, config: str, impls: list[str], sched, que
         for tr in order:
             for _ in range(block):
                 tr.step(record=True)
-    times = [_max_over_ranks(tr.times) for tr in trainers]
-    cpu_times = [_max_over_ranks(tr.cpu_times) for tr in trainers]
-    if rank == 0:  # phases: rank 0's
-        queue.put(
-            {
-                "times": times,
-                "cpu_times": cpu_times,
-                "phases": [tr.phases for tr in trainers],
-                "losses": [tr.losses for tr in trainers],
-            }
-        )
+    times = [max_over_ranks(tr.times) for tr in trainers]
+    cpu_times = [max_over_ranks(tr.cpu_times) for tr in trainers]
     dist.destroy_process_group()
+    return {  # phases: rank 0's
+        "times": times,
+        "cpu_times": cpu_times,
+        "phases": [tr.phases for tr in trainers],
+        "losses": [tr.losses for tr in trainers],
+    }
 
 
-def _memory_rank(rank: int, port: int, config: str, impl: str, steps: int, queue) -> None:
+def _memory_rank(rank: int, world_size: int, port: int, config: str, impl: str, steps: int):
     cfg, precision = split_config(config)
-    _init_pg(rank, port)
+    H.init_pg(rank, world_size, port)
     load_impl(impl)
     baseline = rss_mib()
     tr = Trainer(impl, cfg, precision, rank)
     for _ in range(steps):
         tr.step(record=True)
-    queue.put({"rank": rank, "peak": rss_mib(), "baseline": baseline})
     dist.destroy_process_group()
+    return {"rank": rank, "peak": rss_mib(), "baseline": baseline}
 
 
-def _profile_rank(rank: int, port: int, config: str, impl: str, steps: int, out: str, clock: str, queue) -> None:
+def _profile_rank(rank: int, world_size: int, port: int, config: str, impl: str, steps: int, out: str, clock: str):
     """Only `impl`; rank 0 runs `steps` steps (after a warmup) under cProfile.
 
     clock "wall": elapsed time; "thread": CPU time of rank 0's main thread (forward, backward and
@@ -209,7 +127,7 @@ def _profile_rank(rank: int, port: int, config: str, impl: str, steps: int, out:
     import pstats
 
     cfg, precision = split_config(config)
-    _init_pg(rank, port)
+    H.init_pg(rank, world_size, port)
     tr = Trainer(impl, cfg, precision, rank)
     for _ in range(3):
         tr.step(record=False)
@@ -226,13 +144,12 @@ def _profile_rank(rank: int, port: int, config: str, impl: str, steps: int, out:
             print(f"\n=== rank 0, {impl}, {config}, {steps} steps, {clock} clock, sorted by {key} ===")
             pstats.Stats(prof).strip_dirs().sort_stats(key).print_stats(30)
         sys.stdout.flush()
-    times = _max_over_ranks(tr.times)
-    if rank == 0:
-        queue.put({"times": times})
+    times = max_over_ranks(tr.times)
     dist.destroy_process_group()
+    return {"times": times}
 
 
-def _reference_proc(config: str, steps: tuple[int, int], queue) -> None:
+def _reference_proc(config: str, steps: tuple[int, int]):
     """The same model unsharded in one process."""
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     cfg, precision = split_config(config)
@@ -247,7 +164,7 @@ def _reference_proc(config: str, steps: tuple[int, int], queue) -> None:
     warmup, measured = steps
     times = []
     for i in range(warmup + measured):
-        x, target = make_batch(cfg, 0, i)
+        x, target = make_batch(cfg.input_shape, 0, i)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -257,84 +174,18 @@ def _reference_proc(config: str, steps: tuple[int, int], queue) -> None:
         if pairs:
             x = x.to(torch.bfloat16)
         out = compute(x)
-        loss = (out.float() - target).pow(2).mean()
+        loss = H.loss_fn(out, target)
         loss.backward()
         for p32, p16 in pairs:
             p32.grad = p16.grad.float()
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    queue.put({"times": times, "peak": rss_mib(), "baseline": baseline})
+    return {"times": times, "peak": rss_mib(), "baseline": baseline}
 
 
-def _rank_entry(rank: int, port: int, fn_name: str, queue, *args) -> None:
-    try:
-        globals()[fn_name](rank, port, *args, queue)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-# --------------------------------------------------------------------------------------------
-# launcher
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_ranks(fn_name: str, *args, n_results: int) -> list:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, port, fn_name, queue, *args)) for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        while len(results) < n_results:
-            try:
-                results.append(queue.get(timeout=1.0))
-            except Exception:  # queue.Empty
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"{fn_name}{args[:2]}: a rank failed") from None
-                if all(p.exitcode is not None for p in procs):
-                    raise RuntimeError(f"{fn_name}{args[:2]}: ranks exited without results") from None
-        for p in procs:
-            p.join()
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    return results
-
-
-def _run_single(fn_name: str, *args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    p = ctx.Process(target=globals()[fn_name], args=(*args, queue))
-    p.start()
-    try:
-        result = queue.get(timeout=3600)
-    finally:
-        p.join()
-    return result
-
-
-def _median_ms(xs: list[float]) -> float:
-    return 1e3 * statistics.median(xs)
-
-
-def _iqr_ms(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return (1e3 * xs[0],) * 2
-    q = statistics.quantiles(xs, n=4)
-    return 1e3 * q[0], 1e3 * q[2]
+_median_ms = H.median_ms
+_iqr_ms = H.iqr_ms
 
 
 def run_config(config: str, args) -> dict:
@@ -350,7 +201,7 @@ def run_config(config: str, args) -> dict:
     res: dict = {"config": config, "impls": impls, "schedule": sched}
 
     t0 = time.time()
-    (timing,) = _run_ranks("_timing_rank", config, impls, sched, n_results=1)
+    timing = H.run_ranks(_timing_rank, config, impls, sched, world_size=WORLD_SIZE)
     res["times"] = timing["times"]
     res["cpu_times"] = timing["cpu_times"]
     res["phases"] = timing["phases"]
@@ -362,13 +213,13 @@ def run_config(config: str, args) -> dict:
     if not args.no_memory:
         res["memory"] = []
         for impl in impls:
-            ranks = _run_ranks("_memory_rank", config, impl, MEMORY_STEPS[mode], n_results=WORLD_SIZE)
+            ranks = H.run_ranks(_memory_rank, config, impl, MEMORY_STEPS[mode], world_size=WORLD_SIZE, all_ranks=True)
             res["memory"].append(sorted(ranks, key=lambda d: d["rank"]))
         print(f"  [{config}] memory done", file=sys.stderr, flush=True)
 
     if not args.no_reference:
         warmup, measured, _ = sched
-        res["reference"] = _run_single("_reference_proc", config, (warmup, measured))
+        res["reference"] = H.run_single(_reference_proc, config, (warmup, measured))
         print(f"  [{config}] reference done", file=sys.stderr, flush=True)
     return res
 
@@ -441,8 +292,7 @@ def describe_run(results: list[dict], argv: list[str]) -> str:
         for r in results
     )
     return (
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), torch {torch.__version__}, "
-        f"Python {platform.python_version()}; {WORLD_SIZE} ranks, gloo, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}.\n"
+        f"Machine: {H.describe_machine()}; {WORLD_SIZE} ranks, gloo, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}.\n"
         f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/bench_step.py', *argv])}`\n"
         f"Schedule: {sched}.\n"
         "Cells: median step time (interquartile range) over the measured steps, max over ranks; "
@@ -451,17 +301,6 @@ def describe_run(results: list[dict], argv: list[str]) -> str:
         "peak RSS per rank r0 / r1 (growth over the RSS after importing torch and the implementation + init_process_group), "
         "each implementation in its own processes."
     )
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -490,14 +329,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         load_impl(args.profile)
         config = args.configs[0]
-        (res,) = _run_ranks(
-            "_profile_rank",
+        res = H.run_ranks(
+            _profile_rank,
             config,
             args.profile,
             args.profile_steps,
             args.profile_out,
             args.profile_clock,
-            n_results=1,
+            world_size=WORLD_SIZE,
         )
         print(f"{args.profile} {config}: median {_median_ms(res['times']):.0f} ms/step under cProfile; "
               f"profile written to {args.profile_out}")

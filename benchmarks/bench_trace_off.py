@@ -13,7 +13,13 @@ import timeit
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import harness as H  # noqa: E402
+from benchmarks.models import MODEL_CONFIGS, build_model, shard_model  # noqa: E402
 
 
 class _CountingModule:
@@ -29,14 +35,9 @@ class _CountingModule:
 
 
 def main() -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    H.init_single_process_group("gloo")
     import fsdp_native
     from fsdp_native import _reduce, _state, _trace, _unit
-
-    from models import MODEL_CONFIGS, build_model, shard_model  # benchmarks/models.py
 
     counter = _CountingModule(_trace)
     for mod in (_unit, _state, _reduce):

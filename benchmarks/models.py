@@ -66,9 +66,11 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> ResidualMLP:
     return ResidualMLP(cfg.dim, cfg.hidden, cfg.n_blocks)
 
 
-def shard_model(model: ResidualMLP, fully_shard, mp_policy=None) -> ResidualMLP:
-    """Each block as a unit, then the root over the rest (input and output layers)."""
-    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+def shard_model(model: nn.Module, fully_shard, mp_policy=None, **kwargs) -> nn.Module:
+    """Each block (``model.blocks``) as a unit, then the root over the rest (input and output
+    layers). ``kwargs`` (``mesh``, ...) go to every ``fully_shard`` call."""
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

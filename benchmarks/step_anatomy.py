@@ -15,19 +15,18 @@ import argparse
 import collections
 import os
 import sys
-import tempfile
 import time
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from benchmarks import harness as H  # noqa: E402
 from benchmarks.models import MODEL_CONFIGS, build_model, shard_model  # noqa: E402
 
 
@@ -46,13 +45,9 @@ def _thread_cpu_ms() -> dict[tuple[str, str], float]:
     return out
 
 
-def _rank(rank: int, store_path: str, impl_name: str, model: str, steps: int) -> None:
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    import importlib
-
-    impl = importlib.import_module("torch.distributed.fsdp" if impl_name == "torch" else impl_name)
+def _rank(rank: int, world_size: int, port: int, impl_name: str, model: str, steps: int) -> None:
+    H.init_pg(rank, world_size, port)
+    impl = H.load_impl(impl_name)
     cfg = MODEL_CONFIGS[model]
     m = shard_model(build_model(cfg), impl.fully_shard)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -60,9 +55,7 @@ def _rank(rank: int, store_path: str, impl_name: str, model: str, steps: int) ->
     x, target = torch.randn(cfg.input_shape, generator=g), torch.randn(cfg.input_shape, generator=g)
 
     def step():
-        opt.zero_grad(set_to_none=True)
-        (m(x) - target).pow(2).mean().backward()
-        opt.step()
+        H.train_step(m, opt, x, target)
 
     for _ in range(3):
         step()
@@ -107,8 +100,7 @@ def main() -> None:
     ap.add_argument("--model", default="overhead", choices=list(MODEL_CONFIGS))
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    mp.spawn(_rank, args=(store, args.impl, args.model, args.steps), nprocs=2)
+    H.run_ranks(_rank, args.impl, args.model, args.steps, world_size=2)
 
 
 if __name__ == "__main__":
