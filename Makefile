@@ -46,5 +46,29 @@ bench-overlap: build
 cuda-check:
 	bash .ci/cuda_check.sh
 
+# The oldest supported torch (README, "Supported torch versions"): the runtime tests in
+# .venv-oldest. Its extension is built as pip would (with the CUDA kernels, sm_90 only, where
+# torch is a CUDA build and nvcc is found) into build/oldest/lib, never fsdp_native/_C*.so
+# (that one belongs to .venv's torch), and the tests import fsdp_native from there.
+OLDEST_TORCH_VERSION ?= 2.11.0
+OLDEST := $(CURDIR)/.venv-oldest
+OLDEST_BUILD := $(CURDIR)/build/oldest
+RUNTIME_TESTS ?= test_fully_shard_parity.py test_fully_shard_state.py test_fully_shard_errors.py \
+	test_fully_shard_api.py test_trace.py test_dtensor.py test_compat.py
+
+$(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION):
+	test -x $(OLDEST)/bin/python || python3 -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install -q --upgrade pip setuptools wheel
+	$(OLDEST)/bin/pip install -q torch==$(OLDEST_TORCH_VERSION) ninja pybind11 pytest pytest-timeout hypothesis expecttest numpy matplotlib
+	touch $@
+
+.PHONY: test-oldest
+test-oldest: $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)
+	rm -rf $(OLDEST_BUILD)/lib
+	TORCH_CUDA_ARCH_LIST=$${TORCH_CUDA_ARCH_LIST:-9.0} $(OLDEST)/bin/python setup.py -q build --build-base $(OLDEST_BUILD) --build-lib $(OLDEST_BUILD)/lib \
+		--build-temp $(OLDEST_BUILD)/temp
+	cd $(OLDEST_BUILD) && PYTHONPATH=$(OLDEST_BUILD)/lib $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
+		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS))
+
 clean:
 	rm -rf build *.egg-info fsdp_native/_C*.so

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CUDA build check (no GPU needed): in a separate venv .venv-cuda holding the CUDA build
-# of torch, compile fsdp_native with its CUDA kernels (sm_90 only, to keep nvcc fast),
-# import the result, and assert through the dispatcher that every fsdp_native op has a
-# CUDA kernel. The build goes to build/cuda-check/, never to fsdp_native/_C*.so, so the
+# of torch (the newest supported), build fsdp_native as `pip install` would (setup.py decides
+# on CUDA and finds the toolkit by itself; sm_90 only, to keep nvcc fast), import the result,
+# check that it has the CUDA kernels, and assert through the dispatcher that every
+# fsdp_native op has a CUDA kernel. The build goes to build/cuda-check/, never to fsdp_native/_C*.so, so the
 # CPU build used by .venv is left alone. Exits non-zero on any failure.
 set -euo pipefail
 
@@ -10,7 +11,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 VENV="$ROOT/.venv-cuda"
 PY="$VENV/bin/python"
-TORCH_VERSION="${CUDA_CHECK_TORCH_VERSION:-2.14.1}"
+# The newest supported torch (README, "Supported torch versions").
+TORCH_VERSION="${CUDA_CHECK_TORCH_VERSION:-2.15.0}"
 BUILD_BASE="$ROOT/build/cuda-check"
 BUILD_LIB="$BUILD_BASE/lib"
 
@@ -24,7 +26,9 @@ if [[ ! -f "$READY" ]]; then
   echo "cuda_check: setting up $VENV with torch==$TORCH_VERSION"
   [[ -x "$PY" ]] || python3 -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip setuptools wheel
-  "$PY" -m pip install -q "torch==$TORCH_VERSION" ninja pybind11 setuptools wheel
+  # PIP_CONSTRAINT=/dev/null: the machine's pip configuration caps torch at the releases it
+  # keeps on disk (2.14.1); newer ones come from PyPI.
+  PIP_CONSTRAINT=/dev/null "$PY" -m pip install -q "torch==$TORCH_VERSION" ninja pybind11 setuptools wheel
   touch "$READY"
 else
   echo "cuda_check: $VENV is ready (torch==$TORCH_VERSION)"
@@ -36,16 +40,11 @@ echo "cuda_check: [time] venv: ${t_install}s"
 # --- 2. build with the CUDA kernels into build/cuda-check ---
 t0=$(now)
 command -v nvcc >/dev/null || { echo "cuda_check: FAIL: nvcc is not on PATH" >&2; exit 1; }
-# torch.utils.cpp_extension guesses CUDA_HOME as nvcc's grandparent directory, wrong when
-# nvcc on PATH is a wrapper (e.g. /usr/local/bin/nvcc -> -L/usr/local/lib, no libcudart):
-# take the toolkit nvcc itself reports unless CUDA_HOME is set.
-if [[ -z "${CUDA_HOME:-}" ]]; then
-  nvcc_bin=$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -1)
-  [[ -n "$nvcc_bin" ]] && export CUDA_HOME=$(cd "$nvcc_bin/.." && pwd)
-fi
-echo "cuda_check: building with $(nvcc --version | tail -1), CUDA_HOME=${CUDA_HOME:-unset}"
+# No CUDA_HOME needed: setup.py takes the toolkit that the nvcc on PATH reports (a wrapper
+# such as /usr/local/bin/nvcc has none beside it) and prints it ("nvcc is at ...").
+echo "cuda_check: building with $(nvcc --version | tail -1), CUDA_HOME=${CUDA_HOME:-unset (setup.py finds it)}"
 rm -rf "$BUILD_LIB"  # fresh package copy; objects in $BUILD_BASE/temp are reused by ninja
-FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="${MAX_JOBS:-2}" \
+TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="${MAX_JOBS:-2}" \
   "$PY" setup.py -q build --build-base "$BUILD_BASE" --build-lib "$BUILD_LIB" \
   --build-temp "$BUILD_BASE/temp"
 t_build=$(( $(now) - t0 ))
