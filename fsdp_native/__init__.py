@@ -3,7 +3,7 @@ from fsdp_native._load import load_extension as _load_extension
 
 _C = _load_extension()
 
-from fsdp_native import ops  # noqa: E402
+from fsdp_native import checkpoint, ops  # noqa: E402
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
 from fsdp_native._dtensor import ShardedDTensor  # noqa: E402
 from fsdp_native._fully_shard import (  # noqa: E402
@@ -28,6 +28,7 @@ __all__ = [
     "UnitStats",
     "UnshardHandle",
     "UnshardedStats",
+    "checkpoint",
     "fully_shard",
     "ops",
     "plot_timeline",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make demo: train a small transformer with fsdp_native on 2 CPU ranks (gloo), checkpoint with
-# DCP to checkpoints/demo; running it again resumes from that checkpoint.
+# fsdp_native.checkpoint under checkpoints/demo; running it again resumes from the newest one.
 # Extra arguments go to scripts/train_demo.py (e.g. --impl torch, --steps 200, --fresh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

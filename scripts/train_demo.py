@@ -10,8 +10,11 @@ uninterrupted run would.
 
 Every block is one fully_shard unit; the root unit holds the embeddings, final norm and
 output projection. At the end the model, optimizer and step are saved with
-torch.distributed.checkpoint (get_state_dict / set_state_dict) to checkpoints/demo; the next
-run resumes from there and trains --steps more steps.
+fsdp_native.checkpoint (torch.distributed.checkpoint underneath, get_state_dict /
+set_state_dict) into a new directory under checkpoints/demo (step-<N>), committed only once
+every rank has written its part, keeping the last --keep; the next run resumes from the newest
+complete one and trains --steps more steps. A run killed during the save leaves the previous
+checkpoint intact.
 """
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -28,11 +30,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+
+from fsdp_native import checkpoint as ckpt
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CKPT = os.path.join(REPO_ROOT, "checkpoints", "demo")
@@ -114,24 +117,6 @@ def show_path(path: str) -> str:
     """Relative to the repository root when inside it."""
     rel = os.path.relpath(path, REPO_ROOT)
     return path if rel.startswith("..") else rel
-
-
-def has_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, ".metadata"))
-
-
-def save_checkpoint(state: TrainState, path: str) -> None:
-    """Writes to <path>.tmp, then replaces <path>, so an interrupted save keeps the old one."""
-    tmp = path + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    dcp.save({"train": state}, checkpoint_id=tmp)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    dist.barrier()
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,7 +219,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impl", choices=["fsdp_native", "torch"], default="fsdp_native")
     p.add_argument("--steps", type=int, default=120, help="steps to train in this run (default 120)")
-    p.add_argument("--ckpt-dir", default=DEFAULT_CKPT, help="DCP checkpoint directory (default checkpoints/demo)")
+    p.add_argument("--ckpt-dir", default=DEFAULT_CKPT, help="directory of the checkpoints (default checkpoints/demo)")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep (default 3)")
     p.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start from step 0")
     p.add_argument("--no-save", action="store_true", help="do not write a checkpoint at the end")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
@@ -274,12 +260,12 @@ def main(argv=None) -> None:
             f"task=copy(vocab={args.vocab}, half={args.half}) batch/rank={args.batch}",
             flush=True,
         )
-    if not args.fresh and has_checkpoint(args.ckpt_dir):
-        dcp.load({"train": state}, checkpoint_id=args.ckpt_dir)
-        if is_main:
+    resumed = None if args.fresh else ckpt.load_latest({"train": state}, args.ckpt_dir)
+    if is_main:
+        if resumed is not None:
             print(f"resumed from step {state.step} ({show_path(args.ckpt_dir)})", flush=True)
-    elif is_main:
-        print(f"no checkpoint at {show_path(args.ckpt_dir)}: starting from step 0", flush=True)
+        else:
+            print(f"no checkpoint at {show_path(args.ckpt_dir)}: starting from step 0", flush=True)
 
     start = state.step
     bar = None
@@ -331,8 +317,7 @@ def main(argv=None) -> None:
     if bar is not None:
         bar.close()
 
-    if not args.no_save:
-        save_checkpoint(state, args.ckpt_dir)
+    saved = None if args.no_save else ckpt.save({"train": state}, args.ckpt_dir, state.step, keep=args.keep)
     if is_main:
         print_summary(
             DemoSummary(
@@ -344,8 +329,7 @@ def main(argv=None) -> None:
                 final_loss=losses[-1] if losses else math.nan,
                 step_times=times,
                 peak_unsharded_bytes=run_peak,
-                checkpoint_path=show_path(args.ckpt_dir)
-                + ("" if not args.no_save else " (not saved: --no-save)"),
+                checkpoint_path=show_path(saved) if saved is not None else f"{show_path(args.ckpt_dir)} (not saved: --no-save)",
                 model=model,
                 extra=comm_summary(recorder, times[traced_from - start :]) if recorder is not None else {},
             )
