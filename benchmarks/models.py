@@ -75,3 +75,88 @@ def shard_model(model: nn.Module, fully_shard, mp_policy=None, **kwargs) -> nn.M
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# A Llama-style decoder (benchmarks/bench_gpu.py's compute-bound model)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Llama-3-8B-sized by default (32 heads, 8 KV heads, SwiGLU, RMSNorm; no rotary
+    embedding, which has no parameters), with ``n_layers`` decoder layers."""
+
+    name: str = "llama8b"
+    dim: int = 4096
+    hidden: int = 14336
+    n_layers: int = 4
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab: int = 32000
+    seq: int = 4096
+    batch: int = 1  # per rank
+
+    def layer_shapes(self) -> list[tuple[int, ...]]:
+        """Parameter shapes of one decoder layer, in registration order."""
+        d, h, kv = self.dim, self.hidden, self.dim // self.n_heads * self.n_kv_heads
+        return [(d,), (d, d), (kv, d), (kv, d), (d, d), (d,), (h, d), (h, d), (d, h)]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.n_heads, c.n_kv_heads, c.dim // c.n_heads
+        self.wq = nn.Linear(c.dim, c.dim, bias=False)
+        self.wk = nn.Linear(c.dim, self.n_kv * self.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, self.n_kv * self.head_dim, bias=False)
+        self.wo = nn.Linear(c.dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        rep = self.n_heads // self.n_kv  # grouped-query attention: every KV head serves `rep` heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(c.dim)
+        self.attention = LlamaAttention(c)
+        self.ffn_norm = nn.RMSNorm(c.dim)
+        self.w1 = nn.Linear(c.dim, c.hidden, bias=False)
+        self.w3 = nn.Linear(c.dim, c.hidden, bias=False)
+        self.w2 = nn.Linear(c.hidden, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        h = self.ffn_norm(x)
+        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(c.vocab, c.dim)
+        self.blocks = nn.ModuleList(LlamaLayer(c) for _ in range(c.n_layers))
+        self.norm = nn.RMSNorm(c.dim)
+        self.output = nn.Linear(c.dim, c.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.output(self.norm(x))
+
+
+def init_weights(model: nn.Module, seed: int = 0) -> None:
+    """Every submodule's own ``reset_parameters`` (after ``to_empty`` from the meta device)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()

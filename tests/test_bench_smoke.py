@@ -1,0 +1,123 @@
+"""The benchmarks' code paths, on CPU and quickly (no timing is asserted):
+
+* benchmarks/bench_gpu.py --smoke: both implementations train tiny versions of its models on
+  the fake process group (world size 8), and the packing ops run against their floor;
+* bench_gpu's CUDA-only branches (memory statistics, CUDA-event timing, the report) with the
+  torch.cuda calls they make replaced by stand-ins, so a mistake there shows before a GPU run;
+* benchmarks/harness.py's launcher: results of rank 0 and of every rank, and a failing rank.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def test_bench_gpu_smoke(tmp_path):
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_gpu.py"), "--smoke", "--json", str(out)],
+        env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["config"] for r in res["train"]] == ["overhead-fp32", "overhead-bf16", "llama8b-bf16"]
+    for r in res["train"]:
+        assert not r["errors"], r["errors"]
+        assert r["timing"]["ratio"] > 0
+        assert set(r["memory"]) == {"torch", "fsdp_native"}
+    assert not res["ops"]["errors"], res["ops"]["errors"]
+    assert len(res["ops"]["rows"]) == 14
+    assert all(row["host"]["of_floor"] > 0 for row in res["ops"]["rows"])
+    assert "| overhead-fp32 |" in proc.stdout
+
+
+_FAKE_CUDA = r'''
+import sys, time
+sys.argv.append("--smoke")  # bench_gpu's CPU settings at import
+import torch
+from benchmarks import bench_gpu as B, harness as H
+
+counter = [0]
+def allocated(*a):
+    counter[0] += 4096
+    return counter[0]
+
+class Event:
+    def __init__(self, enable_timing=False):
+        self.t = None
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+    def synchronize(self):
+        pass
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+for name, fn in {"synchronize": lambda *a, **k: None, "empty_cache": lambda: None,
+                 "reset_peak_memory_stats": lambda *a: None, "memory_allocated": allocated,
+                 "max_memory_allocated": allocated, "_sleep": lambda n: None, "Event": Event}.items():
+    setattr(torch.cuda, name, fn)
+
+H.init_fake_process_group(B.WORLD_SIZE)
+env = B.Env(torch.device("cpu"), smoke=True)
+env.cuda = True  # the CUDA branches, with the stand-ins above
+mesh = B.make_mesh(env)
+tc = B.CONFIGS["overhead-bf16"]
+mem = {impl: B.memory_run(impl, tc, env, mesh) for impl in B.IMPLS}
+for m in mem.values():
+    assert len(m["block_backward_start"]) == B.OVERHEAD_SMOKE.n_blocks, m
+    assert all(isinstance(v, int) for v in m["block_backward_start"]), m
+    for key in ("init_peak", "after_init", "step_peak", "between_steps", "after_delete"):
+        assert isinstance(m[key], int), (key, m)
+case = B.op_cases("work", B._block_shapes(B.OVERHEAD_SMOKE), env.device)[0]
+row = B.time_op_case(case, env, iters=2, reps=2)
+assert set(row) >= {"device", "host"} and row["device"]["of_floor"] > 0, row
+result = {"machine": H.machine_info(), "train": [{"config": tc.name, "errors": {}, "memory": mem,
+          "timing": {"median_ms": {"torch": 1.0, "fsdp_native": 0.5}, "ratio": 0.5}}],
+          "ops": {"rows": [row], "errors": {}}}
+text = B.format_report(result)
+assert "| overhead-bf16 | 1.00 | 0.50 | **0.50** |" in text, text
+print("fake cuda ok")
+'''
+
+
+def test_bench_gpu_cuda_branches_with_stand_ins():
+    proc = subprocess.run([sys.executable, "-c", _FAKE_CUDA], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "fake cuda ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+_HARNESS = r'''
+import os, sys
+import torch.distributed as dist
+from benchmarks import harness as H
+
+def body(rank, world_size, port, fail):
+    H.init_pg(rank, world_size, port)
+    if fail and rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    out = H.max_over_ranks([float(rank)])
+    dist.destroy_process_group()
+    return (rank, out)
+
+if __name__ == "__main__":
+    assert H.run_ranks(body, False, world_size=2, all_ranks=True) == [(0, [1.0]), (1, [1.0])]
+    try:
+        H.run_ranks(body, True, world_size=2, timeout_s=120)
+    except RuntimeError as e:
+        assert "a rank failed" in str(e), e
+    else:
+        raise AssertionError("a failing rank did not raise")
+    print("harness ok")
+'''
+
+
+def test_harness_run_ranks(tmp_path):
+    script = tmp_path / "harness_check.py"
+    script.write_text(_HARNESS)
+    proc = subprocess.run([sys.executable, str(script)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "harness ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
