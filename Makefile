@@ -5,6 +5,8 @@ TORCH_VERSION ?= 2.13.0
 # Hugging Face integration (fsdp_native.integrations, tests/test_hf_*.py): the tested versions.
 TRANSFORMERS_VERSION ?= 5.18.0
 ACCELERATE_VERSION ?= 1.15.0
+# torchao: NF4 / Float8 tensor subclasses for the all-gather extension tests (tests/test_extension.py).
+TORCHAO_VERSION ?= 0.18.0
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: venv build test demo bench bench-ops bench-step clean cuda-check
@@ -15,6 +17,7 @@ export OMP_NUM_THREADS ?= 1
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q ninja pybind11 pytest pytest-benchmark pytest-timeout hypothesis expecttest numpy tqdm matplotlib
 	$(PIP) install -q torch==$(TORCH_VERSION) transformers==$(TRANSFORMERS_VERSION) accelerate==$(ACCELERATE_VERSION)
+	$(PIP) install -q --no-deps torchao==$(TORCHAO_VERSION)
 	touch $@
 
 venv: .venv/.ready

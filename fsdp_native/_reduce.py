@@ -59,12 +59,12 @@ class Bucket:
         ws, dtype, device = first.world_size, first.reduce_dtype, first.device
         pre, _, rs_op, _ = first._divide_factors()
         padded, grads = [], []
-        empty = _empty(first.param_dtype, device)
+        empty = _empty(first.reduce_dtype, device)
         for e in self.entries:
             padded += e.unit.padded
             grads += [g if g is not None else empty for g in e.grads]
             e.grads = None
-        total = sum(e.unit.total_padded for e in self.entries)
+        total = sum(e.unit.reduce_total for e in self.entries)
         out = None
         group = first.info.shard_group
         by_all_reduce = ws > 1 and reduces_by_all_reduce(group)
@@ -105,7 +105,7 @@ class Bucket:
             else:
                 self.work = _compat.reduce_scatter_single(self.out, rs_in, op=rs_op, group=group, async_op=True)
         if rec is not None:
-            per_unit = {e.unit.fqn: e.unit.total_padded * ws * dtype.itemsize for e in self.entries}
+            per_unit = {e.unit.fqn: e.unit.reduce_total * ws * dtype.itemsize for e in self.entries}
             rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit, via="all_reduce" if by_all_reduce else "reduce_scatter")
 
     def finish(self) -> None:
@@ -123,7 +123,7 @@ class Bucket:
         offset = 0
         for e in self.entries:
             e.unit.pending_rs = None
-            n = e.unit.total_padded
+            n = e.unit.reduce_total
             out = self.out if len(self.entries) == 1 else self.out.narrow(0, offset, n)
             e.unit.take_reduced(out, e.has_grad)
             offset += n
@@ -150,7 +150,7 @@ class Reducer:
         b = self.open
         b.entries.append(Entry(unit, grads, has_grad))
         unit.pending_rs = b
-        b.nbytes += unit.total_padded * unit.world_size * unit.reduce_dtype.itemsize
+        b.nbytes += unit.reduce_total * unit.world_size * unit.reduce_dtype.itemsize
         if b.nbytes >= self.bucket_bytes:
             self.flush()
 

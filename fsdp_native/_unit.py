@@ -8,6 +8,13 @@ parameters are views into one flat buffer whose storage is freed (``resize_(0)``
 and re-allocated on unshard, so autograd's references to them stay valid. The reduce-scatter
 output, when it needs no cast, is the flat sharded-gradient buffer itself and the sharded
 gradients are views into it.
+
+Mixed dtypes (fp32 adapters beside bf16 frozen weights, fp32 norms beside bf16 weights), as
+torch FSDP2 allows: the flat buffers are bytes (uint8) and each parameter's region is a view
+of its own dtype. Parameters are ordered by element size, largest first, so every region
+starts aligned for its dtype. With one unsharded dtype (``param_dtype`` set) the all-gather
+runs in it and the copy-in casts each shard; with several, the all-gather moves the bytes and
+the copy-out copies bytes. Still one collective per unit.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_native import _comm, _trace, ops
+from fsdp_native import _comm, _extension, _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy
 from fsdp_native._dtensor import ShardedDTensor, make_sharded
 from fsdp_native._mesh import MeshInfo
@@ -84,20 +91,45 @@ class Unit:
 
         ws, rank = info.shard_size, info.shard_rank
         self.world_size, self.rank = ws, rank
+        # Parameters of torch's all-gather extension protocol (tensor subclasses such as
+        # torchao's NF4Tensor) gather what they choose; see _extension.py.
+        ext = [_extension.has_extension(p) for p in params]
+        if any(ext):
+            _check_extension_params(params, owners, ext, ws, offload, post_forward)
+        if len({p.dtype for p in params}) > 1:
+            order = sorted(range(len(params)), key=lambda i: -params[i].dtype.itemsize)  # stable
+            params, owners = [params[i] for i in order], [owners[i] for i in order]
+            self.owners = owners
+        self.ext = [_extension.has_extension(p) for p in params]
+        self.has_ext = any(self.ext)
+        self._ext_state = [_extension.ExtState() if e else None for e in self.ext]
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.padded = [ops.padded_shard_numel(s, ws) for s in self.shapes]
-        self.total_padded = sum(self.padded)
         self.total_numel = sum(self.numels)
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise NotImplementedError(
-                f"fully_shard: parameters of one unit have dtypes {sorted(map(str, dtypes))}, expected one dtype per unit"
-            )
-        self.orig_dtype = params[0].dtype if params else torch.float32
-        self.param_dtype = mp.param_dtype or self.orig_dtype
-        self.reduce_dtype = mp.reduce_dtype or self.param_dtype
+        self.orig_dtypes = [p.dtype for p in params]
+        self.param_dtypes = [mp.param_dtype or d for d in self.orig_dtypes]
+        mixed = len(set(self.orig_dtypes)) > 1 or self.has_ext
+        # Sharded storage: one typed flat buffer, or bytes when the original dtypes differ.
+        self.orig_dtype = torch.uint8 if mixed else (self.orig_dtypes[0] if params else torch.float32)
+        self.shard_units = [0 if e else n * d.itemsize for n, d, e in zip(self.padded, self.orig_dtypes, self.ext)] if mixed else self.padded
+        # All-gather (and unsharded storage): the one unsharded dtype, or bytes.
+        self.gather_bytes = len(set(self.param_dtypes)) > 1 or self.has_ext
+        self.param_dtype = torch.uint8 if self.gather_bytes else (self.param_dtypes[0] if params else self.orig_dtype)
+        self.ag_padded = [n * d.itemsize for n, d in zip(self.padded, self.param_dtypes)] if self.gather_bytes else self.padded
+        self.total_padded = sum(self.ag_padded)  # all-gather elements per rank
+        self.reduce_total = sum(self.padded)  # reduce-scatter elements per rank
+        self.unsharded_numel = (
+            sum(0 if e else n * d.itemsize for n, d, e in zip(self.numels, self.param_dtypes, self.ext))
+            if self.gather_bytes
+            else self.total_numel
+        )
+        self.needs_cast = self.param_dtypes != self.orig_dtypes
         self.requires_grad = [p.requires_grad for p in params]
+        # One gradient dtype per unit, as torch FSDP2 requires: the reduce dtype, else that of
+        # the unsharded parameters with gradients (checked when they are reduced).
+        grad_dtypes = {d for d, rg in zip(self.param_dtypes, self.requires_grad) if rg}
+        self.reduce_dtype = mp.reduce_dtype or (grad_dtypes.pop() if len(grad_dtypes) == 1 else self.param_dtypes[0] if params else torch.float32)
         self.device = info.device
         self.streams = streams_for(info.device)  # replaced by the root's shared streams at lazy init
         self.shard_device = torch.device("cpu") if offload is not None else info.device
@@ -127,12 +159,15 @@ class Unit:
 
     def _shard(self, params: list[nn.Parameter]) -> None:
         device = params[0].device if params and params[0].is_meta else self.shard_device
-        flat = torch.zeros(self.total_padded, dtype=self.orig_dtype, device=device)
+        flat = torch.zeros(sum(self.shard_units), dtype=self.orig_dtype, device=device)
         self.sharded_flat = flat
         self.shard_views = self._views(flat)
         self.sharded_params = []
         with torch.no_grad():
             for i, p in enumerate(params):
+                if self.ext[i]:
+                    self._shard_extension(i, p)
+                    continue
                 view = self.shard_views[i]
                 if not p.is_meta and view.numel():
                     start = self.rank * self.padded[i]
@@ -147,13 +182,29 @@ class Unit:
                 for mod, name in self.owners[i]:
                     mod._parameters[name] = sp
 
+    def _shard_extension(self, i: int, p: nn.Parameter) -> None:
+        """A subclass parameter keeps its own rank-local shard (dim 0 divides evenly)."""
+        local = torch.chunk(p.detach(), self.world_size, dim=0)[self.rank]
+        dt = DTensor.from_local(local, self.info.mesh, self.info.placements, run_check=False, shape=p.shape, stride=p.stride())
+        sp = nn.Parameter(dt, requires_grad=p.requires_grad)
+        self.shard_views[i] = sp._local_tensor
+        sp._fsdp_native_unit = self
+        self.sharded_params.append(sp)
+        for mod, name in self.owners[i]:
+            mod._parameters[name] = sp
+
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's shard of every parameter, as views into a flat padded buffer."""
+        """This rank's shard of every parameter, as views into a flat padded buffer (typed
+        views into a byte buffer when the dtypes differ)."""
         views, offset = [], 0
-        for shape, padded in zip(self.shapes, self.padded):
-            rows = self._local_rows(shape)
-            views.append(flat[offset : offset + rows * math.prod(shape[1:])].view((rows, *shape[1:])))
-            offset += padded
+        by_bytes = flat.dtype == torch.uint8 and self.orig_dtype == torch.uint8
+        for shape, units, dtype in zip(self.shapes, self.shard_units, self.orig_dtypes):
+            n = self._local_rows(shape) * math.prod(shape[1:])
+            if by_bytes:
+                views.append(flat[offset : offset + n * dtype.itemsize].view(dtype).view((-1, *shape[1:])))
+            else:
+                views.append(flat[offset : offset + n].view((-1, *shape[1:])))
+            offset += units
         return views
 
     def readopt(self) -> None:
@@ -177,10 +228,14 @@ class Unit:
         device = locals_[0].device if locals_ else self.shard_device
         if not device.type == "meta" and self.offload is not None:
             device = torch.device("cpu")
-        flat = torch.zeros(self.total_padded, dtype=self.orig_dtype, device=device)
+        flat = torch.zeros(sum(self.shard_units), dtype=self.orig_dtype, device=device)
         views = self._views(flat)
         with torch.no_grad():
-            for p, loc, view in zip(params, locals_, views):
+            for i, (p, loc, view) in enumerate(zip(params, locals_, views)):
+                if self.ext[i]:  # a subclass shard stays as it is
+                    views[i] = loc
+                    p._fsdp_native_unit = self
+                    continue
                 if not loc.is_meta and view.numel():
                     view.copy_(loc.reshape(view.shape))
                 if type(p) is not ShardedDTensor:
@@ -229,13 +284,16 @@ class Unit:
     def _ensure_unsharded_params(self) -> None:
         if self.unsharded_flat is not None:
             return
-        flat = torch.empty(self.total_numel, dtype=self.param_dtype, device=self.device)
+        flat = torch.empty(self.unsharded_numel, dtype=self.param_dtype, device=self.device)
         self.unsharded_flat = flat
         params, plain, offset = [], [], 0
-        for shape, numel, rg in zip(self.shapes, self.numels, self.requires_grad):
-            plain.append(flat[offset : offset + numel])
-            params.append(nn.Parameter(plain[-1].view(shape), requires_grad=rg))
-            offset += numel
+        for shape, numel, rg, dtype, ext in zip(self.shapes, self.numels, self.requires_grad, self.param_dtypes, self.ext):
+            n = 0 if ext else numel * dtype.itemsize if self.gather_bytes else numel
+            plain.append(flat[offset : offset + n])  # bytes, when the all-gather moves bytes
+            typed = plain[-1].view(dtype) if self.gather_bytes else plain[-1]
+            # A subclass parameter's unsharded tensor comes from its first fsdp_post_all_gather.
+            params.append(None if ext else nn.Parameter(typed.view(shape), requires_grad=rg))
+            offset += n
         self.unsharded_params = params
         self._unsharded_plain = plain  # plain views the copy-out writes (no autograd on them)
         flat.untyped_storage().resize_(0)  # views made; memory comes with the first unshard
@@ -244,7 +302,7 @@ class Unit:
         """Allocates the unsharded storage; returns the bytes newly allocated."""
         self._ensure_unsharded_params()
         storage = self.unsharded_flat.untyped_storage()
-        nbytes = self.total_numel * self.unsharded_flat.element_size()
+        nbytes = self.unsharded_numel * self.unsharded_flat.element_size()
         if storage.nbytes() == 0 and nbytes:
             storage.resize_(nbytes)
             return nbytes
@@ -257,6 +315,8 @@ class Unit:
         if storage.nbytes():
             self._account(-storage.nbytes())
             storage.resize_(0)
+        if self.has_ext:
+            self._account(-sum(st.free() for st in self._ext_state if st is not None))
 
     def _account(self, nbytes: int) -> None:
         self.acct.add(nbytes)
@@ -290,6 +350,9 @@ class Unit:
         if self.post_optim_event is not None:
             torch.get_device_module(self.device.type).current_stream().wait_event(self.post_optim_event)
             self.post_optim_event = None
+        if self.has_ext:
+            self._issue_extension_all_gather()
+            return
         rec = _trace.active
         t0 = _trace.now_us() if rec is not None else 0.0
         st = self.streams
@@ -297,12 +360,15 @@ class Unit:
         with st.use(st.all_gather):
             out = torch.empty(ws * S, dtype=self.param_dtype, device=self.device)
             self._account(out.numel() * out.element_size())
-            if self.param_dtype == self.orig_dtype and self.shard_device == self.device:
+            if not self.needs_cast and self.shard_device == self.device:
                 inp = self.sharded_flat  # padding is kept zero: the flat shard is the input as is
             elif self.shard_device != self.device:
                 staged = self.sharded_flat.to(self.device, non_blocking=True)
                 inp = out.narrow(0, self.rank * S, S)
-                ops.all_gather_copy_in([staged], [S], inp)
+                if self.needs_cast:
+                    ops.all_gather_copy_in(self._views(staged), self.padded, inp)
+                else:
+                    ops.all_gather_copy_in([staged], [S], inp)
             else:
                 inp = out.narrow(0, self.rank * S, S)
                 ops.all_gather_copy_in(self.shard_views, self.padded, inp)
@@ -341,7 +407,10 @@ class Unit:
         self._pf_shard_in_flight = None
         allocated = self._alloc_unsharded()
         t0 = _trace.now_us() if rec is not None else 0.0
-        ops.all_gather_copy_out(out, self.padded, self.world_size, self._unsharded_plain)
+        if self.has_ext:
+            allocated += self._extension_copy_out(out)
+        else:
+            ops.all_gather_copy_out(out, self.ag_padded, self.world_size, self._unsharded_plain)
         if rec is not None:
             rec.span("all_gather_copy_out", "copy", self.fqn, t0, _trace.now_us())
         if self.post_forward is not None:
@@ -353,6 +422,63 @@ class Unit:
         st.wait(out, st.all_gather, st.compute)  # `out` came from the all-gather stream: release after the copy-out
         del out
         self._to_unsharded()
+
+    def _issue_extension_all_gather(self) -> None:
+        """One all-gather of bytes: every subclass parameter's inner tensors and every plain
+        parameter's padded shard in its unsharded dtype (see _extension.py)."""
+        ws, info = self.world_size, self.info
+        mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[-1]]
+        inputs, seg = [], []
+        for i, local in enumerate(self.shard_views):
+            if self.ext[i]:
+                mod = self.owners[i][0][0]
+                inners, meta = _extension.pre_all_gather(local, mesh, self.shapes[i], mod, self.mp)
+                state = self._ext_state[i]
+                state.sizes, state.meta = [t.shape for t in inners], meta
+                state.ensure_outputs(inners, ws)  # made (or checked) now, allocated at the copy-out
+                inputs += inners
+            else:
+                padded = torch.zeros(self.padded[i], dtype=self.param_dtypes[i], device=self.device)
+                padded[: local.numel()].copy_(local.reshape(-1))
+                inputs.append(padded)
+        seg = [t.numel() * t.element_size() for t in inputs]
+        self._ext_segments = seg
+        total = sum(seg)
+        rec = _trace.active
+        t0 = _trace.now_us() if rec is not None else 0.0
+        st = self.streams
+        st.wait(self.sharded_flat, st.all_gather, st.compute)
+        with st.use(st.all_gather):
+            out = torch.empty(ws * total, dtype=torch.uint8, device=self.device)
+            self._account(out.numel())
+            inp = out.narrow(0, self.rank * total, total)
+            ops.all_gather_copy_in([t.reshape(-1).view(torch.uint8) for t in inputs], seg, inp)
+            work = None if ws == 1 else _comm.all_gather(out, inp, info.shard_group, self.rank, ws)
+        if rec is not None:
+            rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel())
+        self.pending_ag = (work, out)
+
+    def _extension_copy_out(self, out: torch.Tensor) -> int:
+        """Copies the gathered bytes into the plain parameters and into each subclass
+        parameter's persistent outputs, then runs its fsdp_post_all_gather. Returns the bytes
+        of outputs allocated."""
+        outs, allocated = [], 0
+        plain = iter(self._unsharded_plain)
+        for i in range(len(self.shapes)):
+            view = next(plain)
+            if self.ext[i]:
+                state = self._ext_state[i]
+                allocated += state.alloc()
+                outs += [o.view(torch.uint8) for o in state.outputs]
+            else:
+                outs.append(view)
+        ops.all_gather_copy_out(out, self._ext_segments, self.world_size, outs)
+        for i, local in enumerate(self.shard_views):
+            if self.ext[i]:
+                self.unsharded_params[i] = _extension.post_all_gather(
+                    local, self._ext_state[i], self.param_dtypes[i], self.unsharded_params[i], self.requires_grad[i]
+                )
+        return allocated
 
     def unshard(self) -> None:
         if self.is_unsharded:
@@ -397,8 +523,13 @@ class Unit:
     def new_grads(self) -> tuple[torch.Tensor, list[DTensor]]:
         """A fresh flat sharded-gradient buffer and the DTensor gradients viewing it (the
         DTensors reuse the parameters' specs: no sharding propagation per step)."""
-        flat = torch.empty(self.total_padded, dtype=self.orig_dtype, device=self.sharded_flat.device)
-        grads = [make_sharded(v, sp._spec) for v, sp in zip(self._views(flat), self.sharded_params)]
+        flat = torch.empty(sum(self.shard_units), dtype=self.orig_dtype, device=self.sharded_flat.device)
+        views = self._views(flat)
+        for i, e in enumerate(self.ext):
+            if e:  # a subclass parameter's gradient is a plain tensor of its shard's shape
+                local = self.shard_views[i]
+                views[i] = torch.empty(local.shape, dtype=self.orig_dtypes[i], device=flat.device)
+        grads = [make_sharded(v, sp._spec) for v, sp in zip(views, self.sharded_params)]
         return flat, grads
 
     def reduce_in_place_target(self) -> torch.Tensor:
@@ -460,12 +591,25 @@ class Unit:
             grads = [acc[i] if acc is not None and acc[i] is not None else p.grad for i, p in enumerate(ups)]
             self._accumulated = None
             has_grad = [g is not None for g in grads]
+            if self.mp.reduce_dtype is None and any(has_grad):
+                self._check_grad_dtypes(grads)
             if any(has_grad):
                 self.ctx.reducer.add(self, grads, has_grad)
             for p in ups:
                 p.grad = None
         if self.reshard_after_backward:
             self.reshard()
+
+    def _check_grad_dtypes(self, grads: list) -> None:
+        dtypes = sorted({str(g.dtype) for g in grads if g is not None})
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"fsdp_native: unit '{self.fqn}' has gradients of dtypes {dtypes}, expected one dtype per unit (as torch "
+                "FSDP2); set mp_policy.param_dtype (one unsharded dtype) or mp_policy.reduce_dtype"
+            )
+        dtype = next(g.dtype for g in grads if g is not None)
+        if dtype != self.reduce_dtype:
+            self.reduce_dtype = dtype
 
     def reduce_key(self) -> tuple:
         """Units with equal keys can share one reduce-scatter."""
@@ -474,7 +618,8 @@ class Unit:
     def can_reduce_in_place(self, has_grad: list[bool]) -> bool:
         """Whether the reduce-scatter may write straight into the sharded-gradient buffer."""
         return (
-            self.reduce_dtype == self.orig_dtype
+            not self.has_ext
+            and self.reduce_dtype == self.orig_dtype
             and self.shard_device == self.device
             and self.partial_reduce is None
             and not any(sp.grad is not None for sp, h in zip(self.sharded_params, has_grad) if h)
@@ -528,7 +673,7 @@ class Unit:
         targets = []
         for i, (sp, h) in enumerate(zip(sps, has_grad)):
             if not h:
-                targets.append(_empty(self.orig_dtype, device))
+                targets.append(_empty(self.reduce_dtype, device))
             elif sp.grad is None:
                 g = grad_dtensors[i]
                 g._local_tensor.zero_()
@@ -548,3 +693,26 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if t is None:
         t = _EMPTIES[key] = torch.empty(0, dtype=dtype, device=device)
     return t
+
+
+def _check_extension_params(params, owners, ext, world_size: int, offload, post_forward) -> None:
+    """What fsdp_native supports of torch's all-gather extension protocol, checked at
+    fully_shard: dim 0 divisible by the shard world size (each rank's inner tensors must have
+    equal sizes), no CPU offload, no int reshard_after_forward."""
+    for p, owner, e in zip(params, owners, ext):
+        if not e:
+            continue
+        mod, name = owner[0]
+        where = f"parameter '{name}' of {type(mod).__name__} ({type(p).__name__})"
+        if p.dim() == 0 or p.shape[0] % world_size:
+            raise ValueError(
+                f"fully_shard: {where} has shape {tuple(p.shape)}; a tensor-subclass parameter with "
+                f"fsdp_pre_all_gather needs dim 0 divisible by the shard world size {world_size}"
+            )
+        if offload is not None:
+            raise NotImplementedError(f"fully_shard: {where} uses the all-gather extension protocol, which fsdp_native does not support with CPU offload")
+        if post_forward is not None:
+            raise NotImplementedError(
+                f"fully_shard: {where} uses the all-gather extension protocol, which fsdp_native does not support with "
+                "an int reshard_after_forward"
+            )

@@ -289,11 +289,9 @@ def check_unsharded_memory(reshard, prefetch=False, ac=False, mp=None, n_layers=
         assert s0.peak_bytes == s0.current_bytes == 0, f"step {step}: after reset peak={s0.peak_bytes}"
         loss = lm_loss(model(x), y)
         s = impl.unsharded_stats(model)
-        # The last unit of the forward keeps its unsharded data for the backward, which starts
-        # with it (its sharded parameters are registered, as with torch); every other unit with
-        # reshard_after_forward=True has freed its unsharded parameters.
-        last = unit_bytes[f"layers.{n_layers - 1}"]
-        after_fwd = {True: last, None: root + last, False: total}[reshard]
+        # Every unit with reshard_after_forward=True has freed its unsharded parameters, the
+        # forward's last included (as torch does); None keeps the root's.
+        after_fwd = {True: 0, None: root, False: total}[reshard]
         assert s.current_bytes == after_fwd, (
             f"reshard_after_forward={reshard!r}: {s.current_bytes} bytes unsharded after forward, expected "
             f"{after_fwd} (root {root}, total {total})"
@@ -321,7 +319,7 @@ def check_unsharded_memory(reshard, prefetch=False, ac=False, mp=None, n_layers=
 
 
 def check_modified_between_forward_and_backward():
-    """The last unit keeps its unsharded data from forward to backward; writing its sharded
+    """The last unit of the forward is gathered again for its backward; writing its sharded
     parameters in between must still be seen by the backward, as with torch (which re-gathers)."""
     impl, timpl = load_impl(), ref_impl()
     cfg = Cfg(reshard=True)

@@ -1,0 +1,123 @@
+"""torch FSDP2's all-gather extension protocol for tensor-subclass parameters.
+
+A parameter whose rank-local shard defines ``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather`` (torchao's ``NF4Tensor``, its Float8 training weights) chooses what
+is all-gathered:
+
+* ``fsdp_pre_all_gather(mesh)`` (the older form) or
+  ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`` returns
+  ``(inner tensors, metadata)``: the tensors to gather, each the same size on every rank;
+* ``fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`` gets each inner
+  tensor gathered over the ranks (``world_size`` times its dim 0) and returns the unsharded
+  tensor plus the tensors whose storage may be freed on reshard; called again with ``out=``
+  that tensor, it must find its data in the same outputs, which are therefore kept and
+  refilled in place (their storage freed on reshard, re-allocated on unshard).
+
+In a unit with such parameters every all-gather input (the inner tensors, and the padded
+shards of the unit's plain parameters in their unsharded dtype) is packed as bytes into one
+buffer, so the whole unit is still one collective.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+
+def has_extension(t: torch.Tensor) -> bool:
+    pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
+    if pre != post:
+        raise ValueError(
+            f"fully_shard: a parameter of type {type(t).__name__} defines only "
+            f"{'fsdp_pre_all_gather' if pre else 'fsdp_post_all_gather'}, expected both methods of torch's "
+            "all-gather extension protocol or neither"
+        )
+    return pre
+
+
+def _n_args(fn) -> int:
+    return len(inspect.signature(fn).parameters)
+
+
+def pre_all_gather(local: torch.Tensor, mesh, outer_size, module: nn.Module, mp_policy) -> tuple[list[torch.Tensor], object]:
+    """Calls either form of ``fsdp_pre_all_gather``; returns the inner tensors (contiguous)
+    and the metadata."""
+    fn = local.fsdp_pre_all_gather
+    n = _n_args(fn)
+    if n == 1:
+        inners, meta = fn(mesh)
+    elif n == 5:
+        stride = torch.empty(outer_size, device="meta").stride()
+        inners, meta = fn(mesh, outer_size, stride, module, mp_policy)
+    else:
+        raise TypeError(
+            f"fsdp_native: {type(local).__name__}.fsdp_pre_all_gather takes {n} arguments, expected 1 (mesh) or 5 "
+            "(mesh, outer_size, outer_stride, module, mp_policy)"
+        )
+    inners = list(inners)
+    for t in inners:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"fsdp_native: {type(local).__name__}.fsdp_pre_all_gather returned a {type(t).__name__} among its "
+                "all-gather inputs, expected tensors"
+            )
+    return [t.contiguous() for t in inners], meta
+
+
+@dataclass
+class ExtState:
+    """Per extension parameter: the persistent all-gather outputs and what the last
+    pre-all-gather returned."""
+
+    outputs: list[torch.Tensor] = field(default_factory=list)  # 1-D, world_size * inner numel
+    sizes: list[torch.Size] = field(default_factory=list)
+    meta: object = None
+
+    def ensure_outputs(self, inners: list[torch.Tensor], world_size: int) -> None:
+        """Makes the outputs for these inner tensors (storage not allocated), or keeps the
+        existing ones, which the unsharded tensor of an earlier post-all-gather views."""
+        specs = [(t.numel() * world_size, t.dtype, t.device) for t in inners]
+        if [(o.numel(), o.dtype, o.device) for o in self.outputs] != specs:
+            self.outputs = [torch.empty(n, dtype=d, device=dev) for n, d, dev in specs]
+            for o in self.outputs:
+                o.untyped_storage().resize_(0)
+
+    def alloc(self) -> int:
+        """Allocates the outputs' storage; returns the bytes allocated."""
+        new = 0
+        for o in self.outputs:
+            nbytes = o.numel() * o.element_size()
+            if o.untyped_storage().nbytes() != nbytes:
+                o.untyped_storage().resize_(nbytes)
+                new += nbytes
+        return new
+
+    def unflattened(self) -> tuple[torch.Tensor, ...]:
+        return tuple(o.view(-1, *s[1:]) for o, s in zip(self.outputs, self.sizes))
+
+    def nbytes(self) -> int:
+        return sum(o.untyped_storage().nbytes() for o in self.outputs)
+
+    def free(self) -> int:
+        freed = self.nbytes()
+        for o in self.outputs:
+            o.untyped_storage().resize_(0)
+        return freed
+
+
+def post_all_gather(local: torch.Tensor, state: ExtState, param_dtype: torch.dtype, current: nn.Parameter | None, requires_grad: bool):
+    """Runs ``fsdp_post_all_gather``; returns the unsharded parameter (a new one the first
+    time, ``current`` refilled in place afterwards)."""
+    outputs = state.unflattened()
+    if current is not None:
+        local.fsdp_post_all_gather(outputs, state.meta, param_dtype, out=current)
+        return current
+    res = local.fsdp_post_all_gather(outputs, state.meta, param_dtype)
+    if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], torch.Tensor)):
+        raise TypeError(
+            f"fsdp_native: {type(local).__name__}.fsdp_post_all_gather returned {type(res).__name__}, expected "
+            "(unsharded tensor, tensors to free)"
+        )
+    return nn.Parameter(res[0], requires_grad=requires_grad)
