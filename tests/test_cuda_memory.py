@@ -1,0 +1,150 @@
+"""GPU memory of fsdp_native against torch FSDP2 (``torch.cuda.memory_allocated``, which counts
+every CUDA tensor, whoever holds it), on a one-rank NCCL process group. Skipped without a GPU.
+
+Each configuration trains the same model with torch FSDP2 and with fsdp_native in the same
+process, each measured from its own start (``gc.collect()``, ``empty_cache``; the other's model
+deleted), after one untimed warm-up run of each (first-use allocations such as cuBLAS's
+workspace are then not counted against either). On the last of three steps, relative to the
+bytes allocated when that step began:
+
+* at the start of each block's backward (a hook on the gradient of the block's output): at
+  most torch's: unsharded parameters, all-gather buffers, gradients waiting for their reduction;
+* the step's peak (``max_memory_allocated`` after ``reset_peak_memory_stats`` at its start):
+  at most torch's;
+* between steps (after ``optimizer.step()`` and ``zero_grad(set_to_none=True)``; relative to
+  the run's start): at most torch's; and no gradient storage outlives ``zero_grad``.
+
+The slack is 64 KiB (the caching allocator rounds every block to 512 bytes; a unit's tensors
+are megabytes here, so one buffer held too long fails), plus 1 % between steps.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from test_cuda_runtime import assert_no_failures, cuda, grid_failures, run_on_gpu
+
+SLACK = 64 << 10
+
+
+def _args():
+    from models import ModelArgs
+
+    return ModelArgs(n_layers=4, dim=256, vocab_size=512, max_seq_len=64, n_heads=4)
+
+
+def _build(impl, mesh, mp: bool, reshard: bool, meta: bool):
+    from models import Transformer
+
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cuda"):
+        model = Transformer(_args())
+    kw = dict(mesh=mesh, reshard_after_forward=reshard)
+    if mp:
+        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        impl.fully_shard(layer, **kw)
+    impl.fully_shard(model, **kw)
+    if meta:
+        model.to_empty(device="cuda")
+        torch.manual_seed(1)
+        model.reset_parameters()
+    return model
+
+
+def _clean() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _measure(impl, mesh, mp: bool, reshard: bool, meta: bool) -> dict:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from models import lm_loss
+
+    _clean()
+    start = torch.cuda.memory_allocated()
+    model = _build(impl, mesh, mp, reshard, meta)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    args = _args()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, args.vocab_size, (4, args.max_seq_len), generator=gen).cuda()
+    y = torch.randint(0, args.vocab_size, (4, args.max_seq_len), generator=gen).cuda()
+    marks: dict[str, int] = {}
+    state = {"on": False, "base": 0}
+
+    def mark(i):
+        def on_output(mod, inp, out):
+            if state["on"] and out.requires_grad:
+
+                def at_backward(grad):
+                    marks[f"backward of layers.{i}"] = torch.cuda.memory_allocated() - state["base"]
+
+                out.register_hook(at_backward)
+
+        return on_output
+
+    handles = [layer.register_forward_hook(mark(i)) for i, layer in enumerate(model.layers)]
+    grad_refs = []
+    for step in range(3):
+        if step == 2:
+            gc.collect()
+            state["on"], state["base"] = True, torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        loss = lm_loss(model(x), y)
+        if state["on"]:
+            marks["loss (end of forward)"] = torch.cuda.memory_allocated() - state["base"]
+        loss.backward()
+        grad_refs = [StorageWeakRef(p.grad._local_tensor.untyped_storage()) for p in model.parameters() if p.grad is not None]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated() - state["base"]
+    gc.collect()
+    between = torch.cuda.memory_allocated() - start
+    for h in handles:
+        h.remove()
+    dead = all(r.expired() for r in grad_refs)
+    del model, opt, loss
+    _clean()
+    return dict(marks=marks, peak=peak, between=between, grads_freed=dead, n_grads=len(grad_refs))
+
+
+def _check(mp: bool, reshard: bool, meta: bool) -> None:
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_native
+
+    mesh = init_device_mesh("cuda", (1,))
+    _measure(fsdp_native, mesh, mp, reshard, meta)  # warm-up: first-use allocations of both
+    _measure(torch_fsdp, mesh, mp, reshard, meta)
+    ref = _measure(torch_fsdp, mesh, mp, reshard, meta)
+    got = _measure(fsdp_native, mesh, mp, reshard, meta)
+    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+    assert got["n_grads"] > 0 and got["grads_freed"], "gradient storage outlived zero_grad(set_to_none=True)"
+    assert ref["grads_freed"], "torch FSDP2's gradients outlived zero_grad (test harness)"
+    assert got["marks"].keys() == ref["marks"].keys() and len(got["marks"]) == _args().n_layers + 1, (got["marks"], ref["marks"])
+    over = [
+        f"{where}: {mib(got['marks'][where])}, torch FSDP2 {mib(nbytes)}"
+        for where, nbytes in ref["marks"].items()
+        if got["marks"][where] > nbytes + SLACK
+    ]
+    assert not over, "allocated more than torch FSDP2 at: " + "; ".join(over)
+    assert got["peak"] <= ref["peak"] + SLACK, f"step peak {mib(got['peak'])}, torch FSDP2 {mib(ref['peak'])}"
+    assert got["between"] <= ref["between"] * 1.01 + SLACK, (
+        f"between steps {mib(got['between'])}, torch FSDP2 {mib(ref['between'])}"
+    )
+
+
+def _memory_grid() -> list[str]:
+    configs = [dict(mp=mp, reshard=r, meta=m) for mp in (False, True) for r in (True, False) for m in (False, True)]
+    return grid_failures(configs, _check)
+
+
+@cuda
+def test_memory_at_most_torch_fsdp2_nccl_world_size_1():
+    assert_no_failures(run_on_gpu(_memory_grid))
+
