@@ -46,6 +46,8 @@ def normalize_mp_policy(policy) -> MixedPrecisionPolicy:
     fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
     if not all(hasattr(policy, f) for f in fields):
         raise TypeError(f"fully_shard: argument 'mp_policy' must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+    if getattr(policy, "param_dtype_override_fn", None) is not None:  # torch >= 2.15's policy
+        raise NotImplementedError("fully_shard: argument 'mp_policy.param_dtype_override_fn' is not supported; leave it None")
     values = {f: getattr(policy, f) for f in fields}
     for f in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = values[f]

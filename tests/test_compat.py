@@ -6,6 +6,7 @@ this file on the default torch and on the oldest supported one, ``make test-olde
   on ``torch.distributed`` at call time (a wrapper installed there sees the call).
 * ``DTENSOR_SUBCLASS_DISPATCH`` matches what this torch does: a DTensor subclass's own
   ``__torch_dispatch__`` is called, or is not.
+* A policy with torch 2.15's ``param_dtype_override_fn`` set is refused, not ignored.
 * ``nn.Parameter`` of a ShardedDTensor is a ShardedDTensor (2.11 returned a plain DTensor from
   ``detach`` and refused), and the optimizer ops on it and its gradient stay ShardedDTensors.
 """
@@ -26,6 +27,28 @@ def test_version_parsing():
     assert _version("2.11.0+cu130") == (2, 11)
     assert _version("2.13.0") == (2, 13)
     assert _version("2.16.0.dev20260101+cpu") == (2, 16)
+
+
+def test_newer_mp_policy_fields_are_refused_not_ignored():
+    """torch 2.15's MixedPrecisionPolicy has param_dtype_override_fn; fsdp_native (torch 2.13's
+    API) raises rather than silently casting every parameter to param_dtype."""
+    import dataclasses
+
+    import pytest
+
+    from fsdp_native._api import normalize_mp_policy
+
+    @dataclasses.dataclass(frozen=True)
+    class Newer:  # torch 2.15's fields, whatever torch is installed
+        param_dtype: torch.dtype | None = torch.bfloat16
+        reduce_dtype: torch.dtype | None = None
+        output_dtype: torch.dtype | None = None
+        cast_forward_inputs: bool = True
+        param_dtype_override_fn: object = None
+
+    assert normalize_mp_policy(Newer()).param_dtype == torch.bfloat16
+    with pytest.raises(NotImplementedError, match=r"mp_policy\.param_dtype_override_fn"):
+        normalize_mp_policy(Newer(param_dtype_override_fn=lambda p: None))
 
 
 def _collectives_body():
