@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU checks of fsdp_native in one command, on a machine with a GPU (../shared/GPU.md):
+# builds the extension in place against the machine's torch (no .venv there), then runs
+#   tests  : python3 -m pytest tests/test_cuda_*.py   (kernels bit for bit vs CPU, runtime parity
+#            and memory vs torch FSDP2 on NCCL world size 1)
+#   bench  : benchmarks/bench_gpu.py                  (step time / memory vs torch FSDP2 at world
+#            size 8 on the fake process group; packing ops vs the bandwidth floor)
+#   memcheck: compute-sanitizer --tool memcheck over the kernel tests
+# and writes every log, the pytest JUnit XML, bench_gpu.json and summary.txt to $OUT
+# (default build/gpu_check), each as soon as its stage ends. Each stage has its own time
+# limit; a failed stage does not stop the others; the exit status is non-zero if any failed.
+#
+#   bash scripts/gpu_check.sh                      # all stages (about 6-8 min expected)
+#   bash scripts/gpu_check.sh build tests          # some stages (build, tests, bench, memcheck);
+#   bash scripts/gpu_check.sh bench memcheck       # a later call reuses the in-place build
+#
+# Environment: PY (default python3), OUT, TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS
+# (default: the core count), GPU_CHECK_BENCH_ARGS (extra bench_gpu.py arguments).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-build/gpu_check}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+STAGES=("$@")
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(build tests bench memcheck)
+
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [[ -z "${CUDA_HOME:-}" ]] && command -v nvcc >/dev/null; then
+  # nvcc on PATH may be a wrapper: take the toolkit nvcc itself reports.
+  nvcc_bin=$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -1)
+  [[ -n "$nvcc_bin" ]] && export CUDA_HOME=$(cd "$nvcc_bin/.." && pwd)
+fi
+
+summary="$OUT/summary.txt"
+: > "$summary"
+failed=0
+stage() {  # stage NAME LIMIT_S CMD...: runs CMD with a time limit, log in $OUT/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS rc=0
+  echo "=== gpu_check: $name: $*" | tee -a "$summary"
+  timeout --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  local line="=== gpu_check: $name: exit $rc after $((SECONDS - t0))s (log: $name.log)"
+  (( rc == 124 || rc == 137 )) && line+=" TIMED OUT after ${limit}s"
+  echo "$line" | tee -a "$summary"
+  tail -n 15 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$summary"
+  (( rc != 0 )) && failed=1
+  return 0
+}
+want() { local s; for s in "${STAGES[@]}"; do [[ $s == "$1" ]] && return 0; done; return 1; }
+
+{
+  echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available() and torch.cuda.get_device_name())'
+  echo "CUDA_HOME=${CUDA_HOME:-unset}"
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt" | tee -a "$summary"
+
+if want build; then
+  stage build 300 env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
+    MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" setup.py -q build_ext --inplace
+  stage import 60 "$PY" -c 'import fsdp_native, torch; assert fsdp_native._C.with_cuda == 1, "built without CUDA kernels"; print("fsdp_native", fsdp_native._C.__file__, "built for torch", fsdp_native._C.torch_version, "running", torch.__version__)'
+fi
+if want tests; then
+  stage tests 400 "$PY" -m pytest -q -rs --junitxml="$OUT/pytest.xml" tests/test_cuda_build.py \
+    tests/test_cuda_runtime.py tests/test_cuda_memory.py tests/test_bench_smoke.py
+fi
+if want bench; then
+  # shellcheck disable=SC2086
+  stage bench 300 "$PY" benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
+fi
+if want memcheck; then
+  if command -v compute-sanitizer >/dev/null; then
+    # The kernel tests (the >2 GiB one left out: memcheck would take minutes over it).
+    stage memcheck 400 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      "$PY" -m pytest -q -x tests/test_cuda_build.py -k "not huge"
+  else
+    echo "=== gpu_check: memcheck: skipped, compute-sanitizer not on PATH" | tee -a "$summary"
+  fi
+fi
+echo "=== gpu_check: $([[ $failed == 0 ]] && echo PASSED || echo FAILED); logs in $OUT" | tee -a "$summary"
+exit $failed
