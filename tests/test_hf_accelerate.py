@@ -6,6 +6,7 @@ sharded and full) move between the two libraries both ways."""
 from __future__ import annotations
 
 import os
+import re
 
 from dist_utils import ctx, full_params, grid, run_distributed, run_grid
 from test_hf_common import (
@@ -114,8 +115,6 @@ def _train_grid():
     run_grid(configs, _parity, name="accelerate")
 
 
-def test_accelerate_parity_ws2():
-    run_distributed(_train_grid, 2, timeout=400)
 
 
 def _checkpoint(state_dict_type):
@@ -146,16 +145,27 @@ def _checkpoint_grid():
     run_grid(grid(state_dict_type=["SHARDED_STATE_DICT", "FULL_STATE_DICT"]), _checkpoint, name="save/load")
 
 
-def test_accelerate_checkpoint_across_libraries_ws2():
-    run_distributed(_checkpoint_grid, 2, timeout=400)
+def _ws2():
+    _train_grid()
+    _checkpoint_grid()
+
+
+def test_accelerate_parity_and_checkpoints_across_libraries_ws2():
+    """One spawn (start-up dominates): the training grid, then save/load both ways."""
+    run_distributed(_ws2, 2, timeout=400)
 
 
 def _hsdp_grid():
+    import test_shard_model
+
     set_launcher_env()
     run_grid([dict(mp="no", hsdp=True), dict(mp="bf16", ga=2, hsdp=True)], _parity, name="accelerate HSDP")
+    test_shard_model.hsdp_grid()
 
 
-def test_accelerate_hybrid_shard_2x2():
+def test_hybrid_shard_2x2_accelerate_and_shard_model():
+    """HYBRID_SHARD on 4 ranks, one spawn (4 start-ups on 2 cores are the cost): Accelerate
+    with ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), then shard_model's HSDP grid."""
     run_distributed(_hsdp_grid, 4, timeout=400)
 
 
@@ -222,7 +232,8 @@ def test_accelerate_launch_cpu_fsdp2_config(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    results = sorted(line for line in out.splitlines() if line.startswith("RESULT"))
+    # The two ranks print concurrently: their lines may run together.
+    results = sorted(re.findall(r"RESULT rank=\d+ type=\S+ device=\S+ units=\[[^\]]*\]", out))
     units = "['<root>', 'lm_head', 'model.embed_tokens', 'model.layers.0', 'model.layers.1', 'model.norm']"
     assert results == [
         f"RESULT rank={r} type=DistributedType.FSDP device=cpu:0 units={units}" for r in (0, 1)

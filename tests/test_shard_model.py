@@ -1,6 +1,7 @@
 """fsdp_native.shard_model: which modules become units for each policy, Hugging Face fsdp_config
 parsing and its errors (single process), and bitwise parity with hand-written fully_shard calls
-on 2 CPU ranks and HSDP 2x2 (a tiny Llama built from a LlamaConfig, no Hub)."""
+on 2 CPU ranks and HSDP 2x2 (a tiny Llama built from a LlamaConfig, no Hub; the HSDP grid runs
+in test_hf_accelerate.py's 4-rank spawn)."""
 from __future__ import annotations
 
 import os
@@ -345,9 +346,6 @@ def test_shard_model_parity_ws2():
     run_distributed(_grid_ws2, 2, timeout=300)
 
 
-def _grid_hsdp():
+def hsdp_grid():
+    """Run by tests/test_hf_accelerate.py's 4-rank spawn (one spawn for all HSDP 2x2 checks)."""
     run_grid([dict(case="classes", hsdp=True), dict(case="hf_docs_config", hsdp=True)], _parity, name="shard_model HSDP")
-
-
-def test_shard_model_hsdp_2x2():
-    run_distributed(_grid_hsdp, 4, timeout=300)
