@@ -4,6 +4,7 @@ from fsdp_native._load import load_extension as _load_extension
 _C = _load_extension()
 
 from fsdp_native import checkpoint, ops  # noqa: E402
+from fsdp_native import quant  # noqa: E402,F401  (quantized all-gather formats)
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
 from fsdp_native._dtensor import ShardedDTensor  # noqa: E402
 from fsdp_native._fully_shard import (  # noqa: E402

@@ -1,0 +1,341 @@
+// CPU kernels of the quantized all-gather ops: one call per unit, multithreaded over tasks
+// of about kTaskElems elements (whole rows for fp8_rowwise, whole blocks for NF4), the
+// element loops compiled once per ISA (AVX-512, AVX2, baseline) and picked at load time.
+// The element math is quant_math.h's, the same the Triton kernels and the Python reference
+// restate, so all three write the same bytes.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../quant.h"
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define FSDPN_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define FSDPN_MULTIVERSION
+#endif
+// One rounding per operation in every clone (the reference and Triton round each op).
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#if defined(__GNUC__)
+#define FSDPN_INLINE inline __attribute__((always_inline))
+#else
+#define FSDPN_INLINE inline
+#endif
+
+namespace fsdp_native {
+namespace quant {
+namespace {
+
+// Elements per task: large enough to amortise the task, small enough to balance threads.
+constexpr int64_t kTaskElems = int64_t{1} << 15;
+
+template <typename S>
+FSDPN_INLINE uint32_t bits_of(S v) { return float_bits(to_float(v)); }
+
+// --- element loops (inlined into each ISA clone below) ---------------------------------------
+
+template <typename S>
+FSDPN_INLINE uint32_t max_finite_abs_loop(const S* __restrict src, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, finite_abs_bits(bits_of(src[i])));
+  return m;
+}
+
+template <typename S>
+FSDPN_INLINE uint32_t max_abs_loop(const S* __restrict src, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, bits_of(src[i]) & 0x7fffffffu);
+  return m;
+}
+
+template <typename S>
+FSDPN_INLINE void fp8_encode_loop(const S* __restrict src, int64_t n, float scale,
+                                  uint8_t* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp8_encode(to_float(src[i]), scale);
+}
+
+FSDPN_INLINE uint8_t nf4_pair(float a, float b, float scale) {
+  return static_cast<uint8_t>((nf4_code(a / scale) << 4) | nf4_code(b / scale));
+}
+
+// NF4 blocks: `src` holds `n` elements (the rest of the padded range reads as 0), the
+// padded range has `len` elements from the first block on; writes the codes of blocks
+// [0, n_blocks) at `codes` and their scales at `scales` (unaligned-safe copies).
+template <typename S>
+FSDPN_INLINE void nf4_blocks_loop(const S* __restrict src, int64_t n, int64_t len,
+                                  int64_t n_blocks, int64_t block, uint8_t* __restrict codes,
+                                  uint8_t* __restrict scales) {
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t lo = b * block;
+    const int64_t blen = std::min(block, len - lo);
+    const int64_t valid = std::max<int64_t>(0, std::min(blen, n - lo));
+    const S* s = src + lo;
+    uint8_t* c = codes + lo / 2;
+    const float scale = nf4_scale(max_abs_loop(s, valid));
+    std::memcpy(scales + 4 * b, &scale, 4);
+    if (valid == block) {  // full block: no bounds checks, vectorises
+      for (int64_t k = 0; k < block / 2; ++k) {
+        c[k] = nf4_pair(to_float(s[2 * k]), to_float(s[2 * k + 1]), scale);
+      }
+      continue;
+    }
+    for (int64_t k = 0; k < (blen + 1) / 2; ++k) {
+      const float a = 2 * k < valid ? to_float(s[2 * k]) : 0.0f;
+      const float v = 2 * k + 1 < valid ? to_float(s[2 * k + 1]) : 0.0f;
+      c[k] = nf4_pair(a, v, scale);
+    }
+  }
+}
+
+template <typename D>
+FSDPN_INLINE void fp8_decode_loop(const uint8_t* __restrict codes, int64_t n, float scale,
+                                  D* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = store_value<D>(e4m3_to_float(codes[i]) * scale);
+}
+
+// NF4 elements [lo, hi) of a segment (lo a multiple of the block, hence even).
+template <typename D>
+FSDPN_INLINE void nf4_decode_loop(const uint8_t* __restrict codes, const uint8_t* scales,
+                                  int64_t lo, int64_t hi, int64_t block, D* __restrict dst) {
+  for (int64_t b0 = lo; b0 < hi; b0 += block) {
+    float scale;
+    std::memcpy(&scale, scales + 4 * (b0 / block), 4);
+    const int64_t end = std::min(hi, b0 + block);
+    const int64_t pairs = (end - b0) / 2;
+    const uint8_t* c = codes + b0 / 2;
+    D* d = dst + (b0 - lo);
+    for (int64_t k = 0; k < pairs; ++k) {
+      const uint32_t byte = c[k];
+      d[2 * k] = store_value<D>(nf4_value(byte >> 4) * scale);
+      d[2 * k + 1] = store_value<D>(nf4_value(byte & 15u) * scale);
+    }
+    if ((end - b0) & 1) d[end - b0 - 1] = store_value<D>(nf4_value(c[pairs] >> 4) * scale);
+  }
+}
+
+// --- one multiversioned entry point per dtype ----------------------------------------------------
+
+struct SrcFns {
+  uint32_t (*max_finite_abs)(const void*, int64_t);
+  void (*fp8_encode)(const void*, int64_t, float, uint8_t*);
+  void (*nf4_blocks)(const void*, int64_t, int64_t, int64_t, int64_t, uint8_t*, uint8_t*);
+};
+struct DstFns {
+  void (*fp8_decode)(const uint8_t*, int64_t, float, void*);
+  void (*nf4_decode)(const uint8_t*, const uint8_t*, int64_t, int64_t, int64_t, void*);
+};
+
+#define FSDPN_DEFINE(T)                                                                         \
+  FSDPN_MULTIVERSION uint32_t max_finite_abs_##T(const void* s, int64_t n) {                    \
+    return max_finite_abs_loop(static_cast<const T*>(s), n);                                    \
+  }                                                                                             \
+  FSDPN_MULTIVERSION void fp8_encode_##T(const void* s, int64_t n, float k, uint8_t* d) {       \
+    fp8_encode_loop(static_cast<const T*>(s), n, k, d);                                         \
+  }                                                                                             \
+  FSDPN_MULTIVERSION void nf4_blocks_##T(const void* s, int64_t n, int64_t len, int64_t nb,     \
+                                         int64_t block, uint8_t* c, uint8_t* sc) {              \
+    nf4_blocks_loop(static_cast<const T*>(s), n, len, nb, block, c, sc);                        \
+  }                                                                                             \
+  FSDPN_MULTIVERSION void fp8_decode_##T(const uint8_t* c, int64_t n, float k, void* d) {       \
+    fp8_decode_loop(c, n, k, static_cast<T*>(d));                                               \
+  }                                                                                             \
+  FSDPN_MULTIVERSION void nf4_decode_##T(const uint8_t* c, const uint8_t* sc, int64_t lo,       \
+                                         int64_t hi, int64_t block, void* d) {                  \
+    nf4_decode_loop(c, sc, lo, hi, block, static_cast<T*>(d));                                  \
+  }
+FSDPN_DEFINE(float)
+FSDPN_DEFINE(bf16_t)
+FSDPN_DEFINE(f16_t)
+#undef FSDPN_DEFINE
+
+SrcFns src_fns(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return {max_finite_abs_float, fp8_encode_float, nf4_blocks_float};
+    case at::kBFloat16: return {max_finite_abs_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
+    default: return {max_finite_abs_f16_t, fp8_encode_f16_t, nf4_blocks_f16_t};
+  }
+}
+DstFns dst_fns(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return {fp8_decode_float, nf4_decode_float};
+    case at::kBFloat16: return {fp8_decode_bf16_t, nf4_decode_bf16_t};
+    default: return {fp8_decode_f16_t, nf4_decode_f16_t};
+  }
+}
+
+// --- tasks -------------------------------------------------------------------------------
+
+// Elements [lo, hi) of parameter `param` (of rank `rank`'s chunk, for dequantize).
+struct Task {
+  int64_t param, rank, lo, hi;
+};
+
+// Cuts [0, len) into tasks of whole units (`unit` elements: a row, a block) of about
+// kTaskElems elements each.
+void add_tasks(std::vector<Task>& tasks, int64_t param, int64_t rank, int64_t len, int64_t unit) {
+  const int64_t step = std::max<int64_t>(1, kTaskElems / std::max<int64_t>(unit, 1)) * std::max<int64_t>(unit, 1);
+  for (int64_t lo = 0; lo < len; lo += step) tasks.push_back({param, rank, lo, std::min(len, lo + step)});
+}
+
+int64_t task_unit(int fmt, const QuantParam& p, int64_t block) {
+  if (fmt == kNf4) return block;
+  if (fmt == kFp8Rowwise) return p.row_numel;
+  return 64;
+}
+
+template <typename F>
+void run_tasks(const std::vector<Task>& tasks, F f) {
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) f(tasks[t]);
+  });
+}
+
+const char* elem_ptr(const QuantParam& p, int64_t i) {
+  return static_cast<const char*>(p.data) + i * static_cast<int64_t>(c10::elementSize(p.dtype));
+}
+
+// amax over the finite values of each parameter, as float bits, in one parallel pass.
+std::vector<float> finite_amax(const std::vector<QuantParam>& params) {
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < params.size(); ++i) add_tasks(tasks, i, 0, params[i].numel, 64);
+  std::vector<uint32_t> partial(tasks.size(), 0);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const Task& k = tasks[t];
+      const QuantParam& p = params[k.param];
+      partial[t] = src_fns(p.dtype).max_finite_abs(elem_ptr(p, k.lo), k.hi - k.lo);
+    }
+  });
+  std::vector<uint32_t> bits(params.size(), 0);
+  for (size_t t = 0; t < tasks.size(); ++t) bits[tasks[t].param] = std::max(bits[tasks[t].param], partial[t]);
+  std::vector<float> out(params.size());
+  for (size_t i = 0; i < params.size(); ++i) out[i] = bits_float(bits[i]);
+  return out;
+}
+
+void zero_gaps(uint8_t* seg, const SegmentLayout& l) {
+  std::memset(seg + l.data_nbytes, 0, static_cast<size_t>(l.scale_offset - l.data_nbytes));
+  const int64_t scales_end = l.scale_offset + 4 * l.n_scales;
+  std::memset(seg + scales_end, 0, static_cast<size_t>(l.nbytes - scales_end));
+}
+
+void quantize_task(const QuantizePlan& plan, const Task& k) {
+  const QuantParam& p = plan.params[k.param];
+  uint8_t* seg = plan.out + p.offset;
+  uint8_t* scales = seg + p.layout.scale_offset;
+  const SrcFns fns = src_fns(p.dtype);
+  if (plan.fmt == kNf4) {
+    const int64_t n_blocks = (k.hi - k.lo + plan.block - 1) / plan.block;
+    fns.nf4_blocks(elem_ptr(p, k.lo), p.numel - k.lo, k.hi - k.lo, n_blocks, plan.block,
+                   seg + k.lo / 2, scales + 4 * (k.lo / plan.block));
+    return;
+  }
+  auto encode = [&](int64_t lo, int64_t hi, float scale) {
+    const int64_t valid_hi = std::min(hi, p.numel);
+    if (valid_hi > lo) fns.fp8_encode(elem_ptr(p, lo), valid_hi - lo, scale, seg + lo);
+    const int64_t z = std::max(lo, valid_hi);
+    if (hi > z) std::memset(seg + z, 0, static_cast<size_t>(hi - z));  // 0x00 encodes +0
+  };
+  if (plan.fmt == kFp8Tensorwise) {
+    float scale;
+    std::memcpy(&scale, scales, 4);
+    encode(k.lo, k.hi, scale);
+    return;
+  }
+  const int64_t row = p.row_numel;
+  for (int64_t r0 = k.lo; r0 < k.hi; r0 += row) {
+    const int64_t valid = std::max<int64_t>(0, std::min(row, p.numel - r0));
+    const float scale = fp8_scale(bits_float(valid > 0 ? fns.max_finite_abs(elem_ptr(p, r0), valid) : 0u));
+    std::memcpy(scales + 4 * (r0 / row), &scale, 4);
+    encode(r0, r0 + row, scale);
+  }
+}
+
+void quantize_copy_in_cpu(at::TensorList shards, at::IntArrayRef padded_numels,
+                          at::IntArrayRef row_numels, c10::string_view format, int64_t block_size,
+                          const c10::optional<at::Tensor>& amax, const at::Tensor& out) {
+  const QuantizePlan plan =
+      plan_quantize_copy_in(shards, padded_numels, row_numels, format, block_size, amax, out);
+  if (plan.fmt == kFp8Tensorwise) {
+    std::vector<float> a;
+    if (plan.amax != nullptr) a.assign(plan.amax, plan.amax + plan.params.size());
+    else a = finite_amax(plan.params);
+    for (size_t i = 0; i < plan.params.size(); ++i) {
+      const QuantParam& p = plan.params[i];
+      if (p.layout.n_scales == 0) continue;
+      const float scale = fp8_scale(a[i]);
+      std::memcpy(plan.out + p.offset + p.layout.scale_offset, &scale, 4);
+    }
+  }
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < plan.params.size(); ++i) {
+    const QuantParam& p = plan.params[i];
+    if (p.layout.nbytes == 0) continue;
+    zero_gaps(plan.out + p.offset, p.layout);
+    add_tasks(tasks, i, 0, p.padded, task_unit(plan.fmt, p, plan.block));
+  }
+  run_tasks(tasks, [&](const Task& k) { quantize_task(plan, k); });
+}
+
+void dequantize_task(const DequantizePlan& plan, const Task& k) {
+  const QuantParam& p = plan.params[k.param];
+  const uint8_t* seg = plan.gathered + k.rank * plan.rank_stride + p.offset;
+  const uint8_t* scales = seg + p.layout.scale_offset;
+  char* dst = static_cast<char*>(p.data) +
+              (k.rank * p.padded + k.lo) * static_cast<int64_t>(c10::elementSize(p.dtype));
+  const DstFns fns = dst_fns(p.dtype);
+  if (plan.fmt == kNf4) {
+    fns.nf4_decode(seg, scales, k.lo, k.hi, plan.block, dst);
+    return;
+  }
+  const int64_t row = plan.fmt == kFp8Rowwise ? p.row_numel : k.hi - k.lo;
+  for (int64_t r0 = k.lo; r0 < k.hi; r0 += row) {
+    const int64_t n = std::min(row, k.hi - r0);  // tasks start on row boundaries
+    float scale;
+    std::memcpy(&scale, scales + 4 * (plan.fmt == kFp8Rowwise ? r0 / row : 0), 4);
+    fns.fp8_decode(seg + r0, n, scale,
+                   dst + (r0 - k.lo) * static_cast<int64_t>(c10::elementSize(p.dtype)));
+  }
+}
+
+void dequantize_copy_out_cpu(const at::Tensor& gathered, at::IntArrayRef padded_numels,
+                             at::IntArrayRef row_numels, int64_t world_size,
+                             c10::string_view format, int64_t block_size, at::TensorList outs) {
+  const DequantizePlan plan = plan_dequantize_copy_out(gathered, padded_numels, row_numels,
+                                                       world_size, format, block_size, outs);
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < plan.params.size(); ++i) {
+    const QuantParam& p = plan.params[i];
+    for (int64_t r = 0; r < plan.world_size; ++r) {
+      const int64_t valid = shard_valid_numel(p.numel, p.padded, r);
+      if (valid == 0) break;
+      add_tasks(tasks, i, r, valid, task_unit(plan.fmt, p, plan.block));
+    }
+  }
+  run_tasks(tasks, [&](const Task& k) { dequantize_task(plan, k); });
+}
+
+void quantize_amax_cpu(at::TensorList shards, const at::Tensor& out) {
+  const AmaxPlan plan = plan_quantize_amax(shards, out);
+  const std::vector<float> a = finite_amax(plan.params);
+  std::copy(a.begin(), a.end(), plan.out);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fsdp_native, CPU, m) {
+  m.impl("quantize_copy_in", &quantize_copy_in_cpu);
+  m.impl("dequantize_copy_out", &dequantize_copy_out_cpu);
+  m.impl("quantize_amax", &quantize_amax_cpu);
+}
+
+}  // namespace quant
+}  // namespace fsdp_native
