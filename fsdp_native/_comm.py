@@ -20,6 +20,9 @@ on the same group (tag 0 by default).
 """
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -50,9 +53,16 @@ class P2PWork:
         self.works = works
         self.finish = finish
 
-    def wait(self) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
+        """`timeout`: seconds for all the works together (``_stall``'s raise mode). An expired
+        gloo point-to-point wait closes the connection to the peer: only for a wait that is
+        given up on."""
+        end = None if timeout is None else time.perf_counter() + timeout
         for w in self.works:
-            w.wait()
+            if end is None:
+                w.wait()
+            else:
+                w.wait(timedelta(seconds=max(end - time.perf_counter(), 0.001)))
         self.works = []
         if self.finish is not None:
             finish, self.finish = self.finish, None

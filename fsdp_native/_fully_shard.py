@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_native import _compat
 from fsdp_native._api import MixedPrecisionPolicy, OffloadPolicy, normalize_mp_policy, normalize_offload_policy
 from fsdp_native._mesh import default_mesh, mesh_info, post_forward_group
 from fsdp_native._state import post_forward, pre_forward
@@ -107,7 +104,6 @@ def fully_shard(
                 "make it a 1-D tensor of size 1"
             )
     _check_devices(params, names)
-    _check_shapes_across_ranks(params, names, info)
     params = [_to_device(p, info.device) for p in params]
     unit = Unit(modules, params, owners, info, mp, offload, raf, post)
     for m in modules:
@@ -253,47 +249,6 @@ def _to_device(p: nn.Parameter, device: torch.device) -> nn.Parameter:
     if p.is_meta or p.device == device:
         return p
     return nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
-
-
-def _signature(params) -> list[int]:
-    text = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
-    return [len(params), sum(p.numel() for p in params), zlib.crc32(text.encode())]
-
-
-def _check_shapes_across_ranks(params, names, info) -> None:
-    """One small all-gather of shape metadata per group; every rank raises on a mismatch."""
-    mine = torch.tensor(_signature(params), dtype=torch.int64)
-    for group in (info.shard_group, info.replicate_group):
-        if group is None or dist.get_world_size(group) == 1:
-            continue
-        table = torch.empty(dist.get_world_size(group) * 3, dtype=torch.int64)
-        device = info.device
-        if device.type != "cpu":
-            t, out = mine.to(device), table.to(device)
-            _compat.all_gather_single(out, t, group=group)
-            table = out.cpu()
-        else:
-            _compat.all_gather_single(table, mine, group=group)
-        table = table.view(-1, 3)
-        if not bool((table == mine).all()):
-            # Every rank saw the same table, so every rank takes this branch: gather the details.
-            ranks = dist.get_process_group_ranks(group)
-            shapes: list = [None] * len(ranks)
-            dist.all_gather_object(shapes, [(n, tuple(p.shape)) for n, p in zip(names, params)], group=group)
-            raise ValueError(_shape_mismatch(shapes, ranks))
-
-
-def _shape_mismatch(shapes: list, ranks: list[int]) -> str:
-    first = dict(shapes[0])
-    for rank, entries in zip(ranks[1:], shapes[1:]):
-        mine = dict(entries)
-        for name in list(first) + [n for n in mine if n not in first]:
-            if first.get(name) != mine.get(name):
-                return (
-                    f"fully_shard: argument 'module' has parameter '{name}' of shape {mine.get(name)} on rank {rank} "
-                    f"but {first.get(name)} on rank {ranks[0]}; parameter shapes must match on all ranks"
-                )
-    return "fully_shard: argument 'module' has parameter shapes that differ across ranks"
 
 
 class UnshardHandle:

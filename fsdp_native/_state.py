@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fsdp_native import _trace
+from fsdp_native import _agreement, _trace
 from fsdp_native._reduce import Reducer
 from fsdp_native._streams import Streams
 from fsdp_native._unit import Accounting, Unit
@@ -223,4 +223,5 @@ def lazy_init(module: nn.Module) -> RootContext:
     root_unit = module._fsdp_native_unit
     if root_unit.auto_reshard:
         root_unit.reshard_after_forward = False
+    _agreement.first_forward(module, units)  # same units on every rank, before any collective
     return RootContext(module, units)

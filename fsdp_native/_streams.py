@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from fsdp_native import ops
+from fsdp_native import _stall, ops
 from fsdp_native._env import non_negative_int
 
 
@@ -41,12 +41,16 @@ class Streams:
         """Waits for a collective. On CUDA ``work.wait()`` only makes the current stream wait.
         On CPU it blocks the thread until a gloo thread wakes it; for the short collectives
         of small units that wake-up is a large part of the latency, so the thread first polls
-        the work for up to SPIN_S, yielding its core to whatever else is runnable between polls."""
-        if not self.cuda and SPIN_S > 0 and getattr(work, "pollable", True) and not work.is_completed():
+        the work for up to SPIN_S, yielding its core to whatever else is runnable between polls.
+        A CPU wait past FSDP_NATIVE_STALL_S is reported (``_stall``)."""
+        if self.cuda:
+            work.wait()
+            return
+        if SPIN_S > 0 and getattr(work, "pollable", True) and not work.is_completed():
             deadline = time.perf_counter() + SPIN_S
             while not work.is_completed() and time.perf_counter() < deadline:
                 os.sched_yield()
-        work.wait()
+        _stall.wait(work)
 
 
 # How long a CPU rank polls a collective before blocking on it (FSDP_NATIVE_SPIN_US, 0: never).

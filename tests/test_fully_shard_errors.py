@@ -17,10 +17,10 @@ ValueError = bad value, TypeError = wrong type, NotImplementedError = valid but 
   non-floating reduce_dtype      ValueError   "fully_shard: argument 'mp_policy.reduce_dtype' is torch.int64,
                                               expected a floating dtype"
   mp_policy of the wrong type    TypeError    "fully_shard: argument 'mp_policy' must be a MixedPrecisionPolicy, got str"
-  param shapes differ by rank    ValueError   "fully_shard: argument 'module' has parameter 'layers.0.weight' of
-                                              shape (9, 8) on rank 1 but (8, 8) on rank 0; parameter shapes must
-                                              match on all ranks"   (raised on EVERY rank: one collective of
-                                              shape metadata, before any parameter collective)
+  param shapes differ by rank    ValueError   (at the first forward, every rank; no collective in fully_shard)
+                                              "fsdp_native: the fully_shard structure differs across ranks ...:
+                                              unit 0 '<root>': parameter 'layers.0.weight' has shape (8, 8) on
+                                              ranks [0] but (9, 8) on ranks [1]; ..."  (tests/test_agreement.py)
   offload_policy of wrong type   TypeError    "fully_shard: argument 'offload_policy' must be an OffloadPolicy
                                               (OffloadPolicy() or CPUOffloadPolicy()), got str"
   unknown OffloadPolicy subclass NotImplementedError "fully_shard: argument 'offload_policy' of type
@@ -123,12 +123,15 @@ def case(name):
     elif name == "rank_dependent_out_features":
         m = MLPStack()
         m.layers[0] = nn.Linear(8, 8 + rank)  # dim 0 of weight and bias differs across ranks
-        _expect(ValueError, r"shape", lambda: fs(m, mesh=mesh), "layers.0.")
+        fs(m, mesh=mesh)  # no collective in fully_shard: the structure is checked at the first forward
+        _expect(ValueError, r"shape", lambda: m(torch.randn(2, 8)), "layers.0.")
     elif name == "rank_dependent_in_features":
         m = MLPStack()
         m.layers[1] = nn.Linear(8 + rank, 8)  # only dim 1 of the weight differs
         fs(m.layers[2], mesh=mesh)  # a valid unit first
-        _expect(ValueError, r"shape", lambda: fs(m.layers[1], mesh=mesh), "weight")
+        fs(m.layers[1], mesh=mesh)
+        fs(m, mesh=mesh)
+        _expect(ValueError, r"shape", lambda: m(torch.randn(2, 8)), "weight")
     elif name == "offload_policy_wrong_type":
         _expect(TypeError, r"offload_policy", lambda: fs(MLPStack(), mesh=mesh, offload_policy="cpu"))
     elif name == "offload_policy_unsupported":
