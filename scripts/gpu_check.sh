@@ -61,7 +61,11 @@ cat "$OUT/machine.txt" | tee -a "$summary"
 if want build; then
   stage build 300 env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
     MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" setup.py -q build_ext --inplace
-  stage import 60 "$PY" -c 'import fsdp_native, torch; assert fsdp_native._C.with_cuda == 1, "built without CUDA kernels"; print("fsdp_native", fsdp_native._C.__file__, "built for torch", fsdp_native._C.torch_version, "running", torch.__version__)'
+  stage import 60 "$PY" -c 'import os, fsdp_native, torch
+here = os.path.realpath("fsdp_native")
+assert os.path.realpath(fsdp_native._C.__file__).startswith(here), f"imported {fsdp_native._C.__file__}, not the build in {here}"
+assert fsdp_native._C.with_cuda == 1, "built without CUDA kernels"
+print("fsdp_native", fsdp_native._C.__file__, "built for torch", fsdp_native._C.torch_version, "running", torch.__version__)'
 fi
 if want tests; then
   stage tests 400 "$PY" -m pytest -q -rs --junitxml="$OUT/pytest.xml" tests/test_cuda_build.py \

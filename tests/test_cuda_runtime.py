@@ -130,10 +130,13 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool) -> dict:
         torch.manual_seed(1)
         model.reset_parameters()
     assert all(isinstance(p, DTensor) and p.device.type == "cuda" for p in model.parameters())
+    # foreach=False for both: on CUDA the default picks the foreach implementation only for
+    # parameters whose type is exactly Tensor or DTensor, so torch FSDP2's parameters would get
+    # it and fsdp_native's (a DTensor subclass) the per-parameter loop, which rounds differently.
     if mp:
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     losses = []
     with sdpa_kernel(SDPBackend.MATH):
         for x, y in make_batches(args, STEPS, 4):
