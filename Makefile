@@ -18,6 +18,8 @@ export OMP_NUM_THREADS ?= 1
 	$(PIP) install -q ninja pybind11 pytest pytest-benchmark pytest-timeout hypothesis expecttest numpy tqdm matplotlib
 	$(PIP) install -q torch==$(TORCH_VERSION) transformers==$(TRANSFORMERS_VERSION) accelerate==$(ACCELERATE_VERSION)
 	$(PIP) install -q --no-deps torchao==$(TORCHAO_VERSION)
+	# Triton for kernels/ (tested on CPU with TRITON_INTERPRET=1); a CUDA torch brings its own.
+	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "triton==3.6.*"
 	touch $@
 
 venv: .venv/.ready

@@ -31,7 +31,9 @@ TASK = 4096
 BLOCK = 1024
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Compile options: no fused multiply-adds, and libdevice (div_rn) without flushing subnormals
+# to zero, so the GPU rounds as the C++ kernels and the reference do.
+_OPTS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,6 +51,19 @@ def _find_param(starts, n_params, pid, LOG2: tl.constexpr):
         lo = lo + go * (mid - lo)
         hi = mid - 1 + go * (hi - mid + 1)
     return lo
+
+
+@triton.jit
+def _load_src(addr, i, mask, SRC: tl.constexpr):
+    """fp32 values of elements ``i`` at raw address ``addr`` of dtype SRC (0 fp32, 1 bf16,
+    2 f16); 0 where masked. bf16 widens by its bits (exact everywhere, subnormals included)."""
+    if SRC == 0:
+        return tl.load(addr.to(tl.pointer_type(tl.float32)) + i, mask=mask, other=0.0)
+    elif SRC == 1:
+        h = tl.load(addr.to(tl.pointer_type(tl.uint16)) + i, mask=mask, other=0)
+        return (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(addr.to(tl.pointer_type(tl.float16)) + i, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -166,9 +181,8 @@ def _fp8_tile(meta, starts, n_params, ROWWISE: tl.constexpr, LOG2: tl.constexpr,
 @triton.jit
 def _amax_kernel(meta, starts, amax_bits, n_params, SRC: tl.constexpr, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr):
     p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK)
-    src = _load_meta(meta, p, 0).to(tl.pointer_type(SRC))
     i = lo + tl.arange(0, BLOCK)
-    x = tl.load(src + i, mask=(i < hi) & (i < _load_meta(meta, p, 1)), other=0.0).to(tl.float32)
+    x = _load_src(_load_meta(meta, p, 0), i, (i < hi) & (i < _load_meta(meta, p, 1)), SRC)
     tl.atomic_max(amax_bits + _load_meta(meta, p, 9) + r, tl.max(_finite_abs_bits(x), axis=0))
 
 
@@ -177,7 +191,7 @@ def _fp8_quantize_kernel(
     meta, starts, out, amax, n_params, SRC: tl.constexpr, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr
 ):
     p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK)
-    src = _load_meta(meta, p, 0).to(tl.pointer_type(SRC))
+    src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     codes = out + _load_meta(meta, p, 4)
     scales = (out + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
@@ -185,7 +199,7 @@ def _fp8_quantize_kernel(
     first = lo == r * _load_meta(meta, p, 3) if ROWWISE else lo == 0
     tl.store(scales + r, scale, mask=first)
     i = lo + tl.arange(0, BLOCK)
-    x = tl.load(src + i, mask=(i < hi) & (i < numel), other=0.0).to(tl.float32)
+    x = _load_src(src, i, (i < hi) & (i < numel), SRC)
     tl.store(codes + i, _fp8_encode(x, scale), mask=i < hi)
     _zero_gaps_if(out, meta, p, hi == _load_meta(meta, p, 2))
 
@@ -207,7 +221,7 @@ def _nf4_quantize_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     p = _find_param(starts, n_params, pid, LOG2)
-    src = _load_meta(meta, p, 0).to(tl.pointer_type(SRC))
+    src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     padded = _load_meta(meta, p, 2)
     seg = _load_meta(meta, p, 4)
@@ -217,8 +231,8 @@ def _nf4_quantize_kernel(
     blk = t * NB + tl.arange(0, NB).to(tl.int64)
     bvalid = blk < (padded + BS - 1) // BS
     e0 = blk[:, None] * BS + 2 * tl.arange(0, BS // 2).to(tl.int64)[None, :]
-    x0 = tl.load(src + e0, mask=bvalid[:, None] & (e0 < numel), other=0.0).to(tl.float32)
-    x1 = tl.load(src + e0 + 1, mask=bvalid[:, None] & (e0 + 1 < numel), other=0.0).to(tl.float32)
+    x0 = _load_src(src, e0, bvalid[:, None] & (e0 < numel), SRC)
+    x1 = _load_src(src, e0 + 1, bvalid[:, None] & (e0 + 1 < numel), SRC)
     m0 = tl.max(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
     m1 = tl.max(x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
     m = tl.maximum(m0, m1)
@@ -310,7 +324,7 @@ def _fp8_launch(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, 
         counts = [_fp8_tiles(padded_numels[i], row_numels[i], rowwise) for i in idx]
         meta, starts, n = _launch_tables(rows, counts, device)
         if n:
-            kernel[(n,)](meta, starts, *args, len(idx), SRC=_TL[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK)
+            kernel[(n,)](meta, starts, *args, len(idx), SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK, **_OPTS)
 
 
 @torch.library.custom_op("fsdp_native::quantize_amax_triton", mutates_args=("out",))
@@ -343,7 +357,7 @@ def quantize_copy_in_triton(
             meta, starts, n = _launch_tables(rows, counts, out.device)
             if n:
                 _nf4_quantize_kernel[(n,)](
-                    meta, starts, out, len(idx), SRC=_TL[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb
+                    meta, starts, out, len(idx), SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, **_OPTS
                 )
         return
     rowwise = format == Q.FP8_ROWWISE
@@ -382,7 +396,7 @@ def dequantize_copy_out_triton(
         if n:
             _dequantize_kernel[(n,)](
                 meta, starts, gathered, rank_stride, table, len(idx),
-                FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, BLOCK=BLOCK,
+                FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, BLOCK=BLOCK, **_OPTS,
             )  # fmt: skip
 
 
