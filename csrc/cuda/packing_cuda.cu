@@ -49,6 +49,8 @@ static_assert(tile::kCopy == static_cast<int>(Mode::kCopy) &&
               "packing_tile.cuh's modes must match plan.h's Mode");
 
 constexpr int kInlineTable = 96;  // 96 x 40 B: the kernel's parameters stay under 4 KiB
+static_assert(sizeof(InlineTable<kInlineTable>) + 3 * sizeof(int64_t) <= 4096,
+              "kernel parameters are limited to 4 KiB on older CUDA versions");
 
 template <typename S, typename D, int M, int N>
 __global__ void __launch_bounds__(kThreads)
