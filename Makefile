@@ -38,6 +38,13 @@ demo: build
 demo-hf: build
 	bash scripts/demo_hf.sh
 
+# Differential fuzzing against torch FSDP2 (tests/test_fuzz.py): 300 examples at world size 2
+# and 30 HSDP 2x2 ones at world size 4; `make test` runs a small derandomized slice of it.
+.PHONY: fuzz
+fuzz: build
+	FSDP_FUZZ_EXAMPLES=$${FSDP_FUZZ_EXAMPLES:-300} FSDP_FUZZ_HSDP_EXAMPLES=$${FSDP_FUZZ_HSDP_EXAMPLES:-30} \
+		$(PY) -m pytest -q tests/test_fuzz.py
+
 bench-step: build
 	$(PY) benchmarks/bench_step.py
 
