@@ -61,11 +61,19 @@ FSDPN_HD SegmentLayout segment_layout(int fmt, int64_t padded, int64_t row_numel
 
 // --- helpers on float bits ------------------------------------------------------------------
 
+// Selects written as masks, not `?:`: GCC's vectoriser gives up on some selects feeding
+// reductions or conversions ("control flow in loop"), and masks cost nothing on the device.
+FSDPN_HD uint32_t mask_if(bool c) { return 0u - static_cast<uint32_t>(c); }
+FSDPN_HD uint32_t select_u32(bool c, uint32_t a, uint32_t b) {
+  const uint32_t m = mask_if(c);
+  return (a & m) | (b & ~m);
+}
+
 // |x| as bits when x is finite, else 0: a max over these (as integers: non-negative floats
 // order like their bits) is the amax over the finite values.
 FSDPN_HD uint32_t finite_abs_bits(uint32_t u) {
   const uint32_t a = u & 0x7fffffffu;
-  return a < 0x7f800000u ? a : 0u;
+  return a & mask_if(a < 0x7f800000u);
 }
 
 FSDPN_HD bool is_finite_bits(uint32_t u) { return (u & 0x7fffffffu) < 0x7f800000u; }
@@ -98,23 +106,23 @@ FSDPN_HD uint8_t e4m3_from_float(float q) {
   // Subnormal: in |q| + 2^14 the float's ulp is 2^-9, the e4m3 subnormal step, so the add
   // rounds |q| to a multiple of it and the low bits are that multiple (8 -> 2^-6, code 0x08).
   const uint32_t sub = float_bits(bits_float(a) + bits_float(141u << 23)) - (141u << 23);
-  return static_cast<uint8_t>((a < 0x3c800000u ? sub : normal) | sign);
+  return static_cast<uint8_t>(select_u32(a < 0x3c800000u, sub, normal) | sign);
 }
 
 FSDPN_HD uint8_t fp8_encode(float x, float scale) {
   const float q = x / scale;
   const float c = q < -kE4M3Max ? -kE4M3Max : (q > kE4M3Max ? kE4M3Max : q);
-  return is_finite_bits(float_bits(x)) ? e4m3_from_float(c) : kE4M3NaN;
+  return static_cast<uint8_t>(select_u32(is_finite_bits(float_bits(x)), e4m3_from_float(c), kE4M3NaN));
 }
 
 // The value of an e4m3fn code (exact in fp32); 0x7f and 0xff give NaN.
 FSDPN_HD float e4m3_to_float(uint32_t b) {
   const uint32_t sign = (b & 0x80u) << 24;
   const uint32_t e = (b >> 3) & 0xfu, m = b & 7u;
-  const uint32_t sub = float_bits(static_cast<float>(m) * 0x1p-9f);
+  const uint32_t sub = float_bits(static_cast<float>(static_cast<int32_t>(m)) * 0x1p-9f);
   const uint32_t normal = ((e + 120u) << 23) | (m << 20);
-  const uint32_t bits = (e == 0u ? sub : normal) | sign;
-  return bits_float((b & 0x7fu) == 0x7fu ? kNaNBits : bits);
+  const uint32_t bits = select_u32(e == 0u, sub, normal) | sign;
+  return bits_float(select_u32((b & 0x7fu) == 0x7fu, kNaNBits, bits));
 }
 
 // --- NF4 ----------------------------------------------------------------------------------
@@ -162,13 +170,15 @@ FSDPN_HD float nf4_scale(uint32_t max_abs_bits) {
 template <typename D> FSDPN_HD D store_value(float v);
 template <> FSDPN_HD float store_value<float>(float v) {
   const uint32_t u = float_bits(v);
-  return bits_float(is_nan_bits(u) ? kNaNBits : u);
+  return bits_float(select_u32(is_nan_bits(u), kNaNBits, u));
 }
 template <> FSDPN_HD bf16_t store_value<bf16_t>(float v) {
-  return bf16_t{float_bits_to_bf16(float_bits(v), 0x7fc0u)};
+  const uint32_t u = float_bits(v);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return bf16_t{static_cast<uint16_t>(select_u32(is_nan_bits(u), 0x7fc0u, rounded))};
 }
 template <> FSDPN_HD f16_t store_value<f16_t>(float v) {
-  return f16_t{is_nan_bits(float_bits(v)) ? static_cast<uint16_t>(0x7e00u) : float_to_f16_bits(v)};
+  return f16_t{static_cast<uint16_t>(select_u32(is_nan_bits(float_bits(v)), 0x7e00u, float_to_f16_bits(v)))};
 }
 
 }  // namespace quant
