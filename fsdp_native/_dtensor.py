@@ -177,3 +177,18 @@ def _delegate(func, args, kwargs):
         # squeeze_, t_, ...: the wrapper's own sizes change too, as DTensor does for itself.
         out = return_and_correct_aliasing(func, args, kwargs or {}, out)
     return out
+
+
+# torch's optimizers pick their foreach (multi-tensor) path only for parameters whose exact
+# type is listed, and torch lists DTensor: list ShardedDTensor too, so on CUDA AdamW & co.
+# take the same path (launches and rounding) as with torch FSDP2's plain DTensors.
+def _register_foreach_support() -> None:
+    from torch.optim import optimizer as _optimizer
+    from torch.utils import _foreach_utils
+
+    for types in (_optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if ShardedDTensor not in types:
+            types.append(ShardedDTensor)
+
+
+_register_foreach_support()
