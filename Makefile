@@ -65,7 +65,7 @@ cuda-check:
 OLDEST_TORCH_VERSION ?= 2.11.0
 OLDEST := $(CURDIR)/.venv-oldest
 OLDEST_BUILD := $(CURDIR)/build/oldest
-RUNTIME_TESTS ?= test_fully_shard_parity.py test_fully_shard_state.py test_fully_shard_errors.py \
+RUNTIME_TESTS ?= test_optim_defaults.py test_fully_shard_parity.py test_fully_shard_state.py test_fully_shard_errors.py \
 	test_fully_shard_api.py test_trace.py test_dtensor.py test_compat.py \
 	test_fully_shard_example.py test_grouped_units.py test_memory.py test_mixed_dtypes.py
 
