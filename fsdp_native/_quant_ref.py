@@ -45,7 +45,7 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
 
 def _fp8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """e4m3fn codes (uint8) of fp32 ``x`` for per-element fp32 ``scale`` (same shape)."""
-    q = torch.clamp(x / scale, -E4M3_MAX, E4M3_MAX)
+    q = torch.clamp(x * (torch.ones_like(scale) / scale), -E4M3_MAX, E4M3_MAX)
     codes = torch.where(torch.isfinite(x), q, torch.zeros_like(q)).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isfinite(x), codes, torch.full_like(codes, 0x7F))
 
@@ -80,9 +80,9 @@ def quantize(
             n_blocks = seg.n_scales
             x = _padded_float(shard, n_blocks * block_size).view(n_blocks, block_size)
             absmax = x.abs().amax(dim=1)
-            scale = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
+            scale = torch.where(absmax == 0, torch.ones_like(absmax), torch.clamp(absmax, min=MIN_FP8_SCALE))
             scale = torch.where(torch.isfinite(absmax), scale, torch.full_like(absmax, float("nan")))
-            v = x / scale[:, None].expand_as(x).contiguous()
+            v = x * (torch.ones_like(scale) / scale)[:, None].expand_as(x).contiguous()
             mids = torch.tensor(NF4_MIDPOINTS, dtype=torch.float32)
             codes = (v[..., None] > mids).sum(-1).to(torch.uint8).view(-1)
             packed = (codes[0::2] << 4) | codes[1::2]

@@ -5,7 +5,7 @@ Ops: ``fsdp_native::quantize_copy_in_triton``, ``dequantize_copy_out_triton`` an
 ``quantize_amax_triton``, with the schemas, argument checks and error messages of the C++
 ops (csrc/quant.cpp), and the same bytes and values bit for bit (the math of
 csrc/quant_math.h restated: integer bit manipulation for the e4m3 and bf16 roundings,
-``div_rn`` for the correctly rounded divisions, no fused multiply-adds).
+``div_rn`` for the correctly rounded reciprocals, no fused multiply-adds).
 
 One launch covers a whole unit (one per source or destination dtype present, usually one;
 fp8_tensorwise adds the amax launch): every program finds its parameter by a binary search
@@ -79,8 +79,8 @@ def _finite_abs_bits(x):
 
 
 @triton.jit
-def _fp8_encode(x, scale):
-    q = tl.math.div_rn(x, scale)
+def _fp8_encode(x, inv_scale):
+    q = x * inv_scale
     c = tl.minimum(tl.maximum(q, -448.0), 448.0)
     u = c.to(tl.uint32, bitcast=True)
     sign = (u >> 24) & 0x80
@@ -200,7 +200,7 @@ def _fp8_quantize_kernel(
     tl.store(scales + r, scale, mask=first)
     i = lo + tl.arange(0, BLOCK)
     x = _load_src(src, i, (i < hi) & (i < numel), SRC)
-    tl.store(codes + i, _fp8_encode(x, scale), mask=i < hi)
+    tl.store(codes + i, _fp8_encode(x, tl.math.div_rn(1.0, scale)), mask=i < hi)
     _zero_gaps_if(out, meta, p, hi == _load_meta(meta, p, 2))
 
 
@@ -236,9 +236,11 @@ def _nf4_quantize_kernel(
     m0 = tl.max(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
     m1 = tl.max(x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
     m = tl.maximum(m0, m1)
-    scale = tl.where(m >= 0x7F800000, 0x7FC00000, tl.where(m == 0, 0x3F800000, m)).to(tl.float32, bitcast=True)
-    c0 = _nf4_code(tl.math.div_rn(x0, scale[:, None]))
-    c1 = _nf4_code(tl.math.div_rn(x1, scale[:, None]))
+    m = tl.where(m == 0, 0x3F800000, tl.maximum(m, 0x00800000))  # 1, or at least 2^-126
+    scale = tl.where(m >= 0x7F800000, 0x7FC00000, m).to(tl.float32, bitcast=True)
+    inv = tl.math.div_rn(1.0, scale)
+    c0 = _nf4_code(x0 * inv[:, None])
+    c1 = _nf4_code(x1 * inv[:, None])
     byte = ((c0 << 4) | c1).to(tl.uint8)
     b = e0 // 2
     tl.store(out + seg + b, byte, mask=bvalid[:, None] & (seg + b < data_end))

@@ -68,13 +68,13 @@ FSDPN_INLINE uint32_t max_abs_loop(const S* __restrict src, int64_t n) {
 }
 
 template <typename S>
-FSDPN_INLINE void fp8_encode_loop(const S* __restrict src, int64_t n, float scale,
+FSDPN_INLINE void fp8_encode_loop(const S* __restrict src, int64_t n, float inv_scale,
                                   uint8_t* __restrict dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = fp8_encode(to_float(src[i]), scale);
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp8_encode(to_float(src[i]), inv_scale);
 }
 
-FSDPN_INLINE uint8_t nf4_pair(float a, float b, float scale) {
-  return static_cast<uint8_t>((nf4_code(a / scale) << 4) | nf4_code(b / scale));
+FSDPN_INLINE uint8_t nf4_pair(float a, float b, float inv_scale) {
+  return static_cast<uint8_t>((nf4_code(a * inv_scale) << 4) | nf4_code(b * inv_scale));
 }
 
 // NF4 blocks: `src` holds `n` elements (the rest of the padded range reads as 0), the
@@ -92,16 +92,17 @@ FSDPN_INLINE void nf4_blocks_loop(const S* __restrict src, int64_t n, int64_t le
     uint8_t* c = codes + lo / 2;
     const float scale = nf4_scale(max_abs_loop(s, valid));
     std::memcpy(scales + 4 * b, &scale, 4);
+    const float inv = 1.0f / scale;
     if (valid == block) {  // full block: no bounds checks, vectorises
       for (int64_t k = 0; k < block / 2; ++k) {
-        c[k] = nf4_pair(to_float(s[2 * k]), to_float(s[2 * k + 1]), scale);
+        c[k] = nf4_pair(to_float(s[2 * k]), to_float(s[2 * k + 1]), inv);
       }
       continue;
     }
     for (int64_t k = 0; k < (blen + 1) / 2; ++k) {
       const float a = 2 * k < valid ? to_float(s[2 * k]) : 0.0f;
       const float v = 2 * k + 1 < valid ? to_float(s[2 * k + 1]) : 0.0f;
-      c[k] = nf4_pair(a, v, scale);
+      c[k] = nf4_pair(a, v, inv);
     }
   }
 }
@@ -159,15 +160,15 @@ __attribute__((target("avx512f,avx512bw"))) inline void store16(D* p, __m512 v, 
 }
 
 template <typename S>
-__attribute__((target("avx512f,avx512bw"))) void fp8_encode_avx512(const void* src, int64_t n, float scale, uint8_t* d) {
+__attribute__((target("avx512f,avx512bw"))) void fp8_encode_avx512(const void* src, int64_t n, float inv_scale, uint8_t* d) {
   const S* s = static_cast<const S*>(src);
-  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 inv = _mm512_set1_ps(inv_scale);
   const __m512i absm = _mm512_set1_epi32(0x7fffffff);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512i xb = load16_bits(s + i);
     const __mmask16 finite = _mm512_cmplt_epi32_mask(_mm512_and_si512(xb, absm), _mm512_set1_epi32(0x7f800000));
-    const __m512 q = _mm512_div_ps(_mm512_castsi512_ps(xb), sc);
+    const __m512 q = _mm512_mul_ps(_mm512_castsi512_ps(xb), inv);
     const __m512 c = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-kE4M3Max)), _mm512_set1_ps(kE4M3Max));
     const __m512i u = _mm512_castps_si512(c);
     const __m512i a = _mm512_and_si512(u, absm);
@@ -180,7 +181,7 @@ __attribute__((target("avx512f,avx512bw"))) void fp8_encode_avx512(const void* s
     code = _mm512_mask_blend_epi32(finite, _mm512_set1_epi32(kE4M3NaN), code);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm512_cvtepi32_epi8(code));
   }
-  for (; i < n; ++i) d[i] = fp8_encode(to_float(s[i]), scale);
+  for (; i < n; ++i) d[i] = fp8_encode(to_float(s[i]), inv_scale);
 }
 
 template <typename D>
@@ -241,10 +242,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void nf4_blocks_avx512(
     for (int64_t k = 0; k < block; k += 16) mx = _mm512_max_epu32(mx, _mm512_and_si512(load16_bits(s + lo + k), absm));
     const float scale = nf4_scale(_mm512_reduce_max_epu32(mx));
     std::memcpy(scales + 4 * b, &scale, 4);
-    const __m512 sc = _mm512_set1_ps(scale);
+    const __m512 inv = _mm512_set1_ps(1.0f / scale);
     for (int64_t k = 0; k < block; k += 32) {
-      const __m512i c0 = nf4_codes16(_mm512_div_ps(_mm512_castsi512_ps(load16_bits(s + lo + k)), sc), mids);
-      const __m512i c1 = nf4_codes16(_mm512_div_ps(_mm512_castsi512_ps(load16_bits(s + lo + k + 16)), sc), mids);
+      const __m512i c0 = nf4_codes16(_mm512_mul_ps(_mm512_castsi512_ps(load16_bits(s + lo + k)), inv), mids);
+      const __m512i c1 = nf4_codes16(_mm512_mul_ps(_mm512_castsi512_ps(load16_bits(s + lo + k + 16)), inv), mids);
       const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(c0)), _mm512_cvtepi32_epi8(c1), 1);
       const __m256i pairs = _mm256_or_si256(_mm256_slli_epi16(bytes, 4), _mm256_srli_epi16(bytes, 8));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + (lo + k) / 2), _mm256_cvtepi16_epi8(pairs));
@@ -453,7 +454,7 @@ void quantize_task(const QuantizePlan& plan, const Task& k) {
   }
   auto encode = [&](int64_t lo, int64_t hi, float scale) {
     const int64_t valid_hi = std::min(hi, p.numel);
-    if (valid_hi > lo) fns.fp8_encode(elem_ptr(p, lo), valid_hi - lo, scale, seg + lo);
+    if (valid_hi > lo) fns.fp8_encode(elem_ptr(p, lo), valid_hi - lo, 1.0f / scale, seg + lo);
     const int64_t z = std::max(lo, valid_hi);
     if (hi > z) std::memset(seg + z, 0, static_cast<size_t>(hi - z));  // 0x00 encodes +0
   };
