@@ -5,7 +5,7 @@ _C = _load_extension()
 
 from fsdp_native import checkpoint, ops  # noqa: E402
 from fsdp_native import quant  # noqa: E402,F401  (quantized all-gather formats)
-from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
+from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizedAllGather  # noqa: E402
 from fsdp_native._dtensor import ShardedDTensor  # noqa: E402
 from fsdp_native._fully_shard import (  # noqa: E402
     FSDPModule,
@@ -24,6 +24,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "QuantizedAllGather",
     "Recorder",
     "ShardedDTensor",
     "UnitStats",

@@ -23,6 +23,28 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
 
+@dataclass(frozen=True)
+class QuantizedAllGather:
+    """fsdp_native's own quantized all-gather, opt-in per ``fully_shard`` call
+    (``fully_shard(block, all_gather=QuantizedAllGather("fp8_rowwise"))``): the all-gather moves
+    quantized bytes and the copy-out dequantizes them into ``param_dtype`` for compute. The
+    sharded parameters, gradients and optimizer stay in full precision; only what the forward
+    and backward compute with is rounded (fp8 or NF4 communication, bf16 compute).
+
+    Attributes:
+        format: ``"fp8_rowwise"`` (e4m3, one fp32 scale per row), ``"fp8_tensorwise"``
+            (e4m3, one fp32 scale per rank's shard) or ``"nf4"`` (4-bit NormalFloat, one fp32
+            scale per ``block_size`` elements; frozen parameters only).
+        block_size: NF4 block size (a power of two).
+        min_numel: parameters with fewer elements, and all 1-D parameters (norms, biases),
+            are gathered unquantized in the same all-gather.
+    """
+
+    format: str = "fp8_rowwise"
+    block_size: int = 64
+    min_numel: int = 1024
+
+
 @dataclass
 class OffloadPolicy:
     """The default: no offloading. Sharded parameters and gradients live on the mesh's device."""

@@ -11,7 +11,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_native._api import MixedPrecisionPolicy, OffloadPolicy, normalize_mp_policy, normalize_offload_policy
+from fsdp_native._api import (
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    QuantizedAllGather,
+    normalize_mp_policy,
+    normalize_offload_policy,
+)
 from fsdp_native._mesh import default_mesh, mesh_info, post_forward_group
 from fsdp_native._state import post_forward, pre_forward
 from fsdp_native._unit import Unit
@@ -29,6 +35,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims=None,
+    all_gather: QuantizedAllGather | None = None,
 ):
     """Shards ``module``'s parameters (those not already in a unit below it) over ``mesh`` as
     one unit: all-gathered before its forward and backward, gradients reduce-scattered after
@@ -46,6 +53,9 @@ def fully_shard(
         offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()`` (fsdp_native's or torch's).
         ignored_params: parameters left unsharded and unreduced.
         dp_mesh_dims: not supported (SPMD meshes); must be None.
+        all_gather: fsdp_native only: a :class:`QuantizedAllGather` makes the unit's all-gather
+            move fp8 or NF4 bytes, dequantized into ``param_dtype`` for compute; ``None``
+            (the default) gathers the parameters as torch does.
 
     Returns:
         The module, now also an instance of :class:`FSDPModule`.
@@ -64,6 +74,7 @@ def fully_shard(
             )
     if dp_mesh_dims is not None:
         raise NotImplementedError("fully_shard: argument 'dp_mesh_dims' is not supported by fsdp_native; pass a 1-D or 2-D data-parallel mesh")
+    _check_all_gather(all_gather)
     mp = normalize_mp_policy(mp_policy)
     offload = normalize_offload_policy(offload_policy)
     if not isinstance(reshard_after_forward, (bool, int, type(None))):
@@ -105,7 +116,7 @@ def fully_shard(
             )
     _check_devices(params, names)
     params = [_to_device(p, info.device) for p in params]
-    unit = Unit(modules, params, owners, info, mp, offload, raf, post)
+    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather)
     for m in modules:
         m._fsdp_native_unit = unit
         m.register_forward_pre_hook(functools.partial(_pre_hook, unit), prepend=True, with_kwargs=True)
@@ -138,6 +149,22 @@ def _pre_hook(unit, module, args, kwargs):
 
 def _post_hook(unit, module, args, output):
     return post_forward(unit, module, args, output)
+
+
+def _check_all_gather(policy) -> None:
+    from fsdp_native import quant
+
+    if policy is None:
+        return
+    if not isinstance(policy, QuantizedAllGather):
+        raise TypeError(f"fully_shard: argument 'all_gather' must be a QuantizedAllGather or None, got {type(policy).__name__}")
+    if policy.format not in quant.FORMATS:
+        raise ValueError(
+            f"fully_shard: argument 'all_gather.format' is {policy.format!r}, expected one of {', '.join(map(repr, quant.FORMATS))}"
+        )
+    bs = policy.block_size
+    if not (isinstance(bs, int) and 2 <= bs <= quant.MAX_BLOCK_SIZE and bs & (bs - 1) == 0):
+        raise ValueError(f"fully_shard: argument 'all_gather.block_size' is {bs!r}, expected a power of two from 2 to {quant.MAX_BLOCK_SIZE}")
 
 
 def _reshard_after_forward(value, info) -> tuple[bool | None, tuple | None]:

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_native import _comm, _extension, _trace, ops
-from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy
+from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedAllGather
 from fsdp_native._dtensor import ShardedDTensor, make_sharded
 from fsdp_native._mesh import MeshInfo
 from fsdp_native._streams import streams_for
@@ -60,6 +60,7 @@ class Unit:
         offload: CPUOffloadPolicy | None,
         reshard_after_forward: bool | None,
         post_forward: tuple[dist.ProcessGroup, int, int] | None,
+        all_gather: QuantizedAllGather | None = None,
     ) -> None:
         self.modules = modules
         self.owners = owners
@@ -134,6 +135,9 @@ class Unit:
         self.streams = streams_for(info.device)  # replaced by the root's shared streams at lazy init
         self.shard_device = torch.device("cpu") if offload is not None else info.device
         self._shard(params)
+        self._qplan = _QuantPlan.make(self, all_gather) if all_gather is not None else None
+        if self._qplan is not None:
+            self.total_padded = self._qplan.chunk
         # Views and per-parameter registration slots, built once.
         self._slots = [(mod._parameters, name) for owner in owners for (mod, name) in owner]
         self._slot_index = [i for i, owner in enumerate(owners) for _ in owner]
@@ -353,6 +357,9 @@ class Unit:
         if self.has_ext:
             self._issue_extension_all_gather()
             return
+        if self._qplan is not None:
+            self._issue_quantized_all_gather()
+            return
         rec = _trace.active
         t0 = _trace.now_us() if rec is not None else 0.0
         st = self.streams
@@ -409,6 +416,8 @@ class Unit:
         t0 = _trace.now_us() if rec is not None else 0.0
         if self.has_ext:
             allocated += self._extension_copy_out(out)
+        elif self._qplan is not None:
+            self._qplan.copy_out(self, out)
         else:
             ops.all_gather_copy_out(out, self.ag_padded, self.world_size, self._unsharded_plain)
         if rec is not None:
@@ -422,6 +431,29 @@ class Unit:
         st.wait(out, st.all_gather, st.compute)  # `out` came from the all-gather stream: release after the copy-out
         del out
         self._to_unsharded()
+
+    def _issue_quantized_all_gather(self) -> None:
+        """fsdp_native's quantized all-gather: each rank's chunk is the quantized parameters'
+        codes and scales (one kernel for the unit), then the other parameters' padded shards
+        in the unsharded dtype; one collective."""
+        plan, ws = self._qplan, self.world_size
+        rec = _trace.active
+        t0 = _trace.now_us() if rec is not None else 0.0
+        st = self.streams
+        st.wait(self.sharded_flat, st.all_gather, st.compute)
+        with st.use(st.all_gather):
+            out = torch.empty(ws * plan.chunk, dtype=torch.uint8, device=self.device)
+            self._account(out.numel())
+            inp = out.narrow(0, self.rank * plan.chunk, plan.chunk)
+            plan.copy_in(self, inp)
+            if rec is not None:
+                t1 = _trace.now_us()
+                rec.span("all_gather_copy_in", "copy", self.fqn, t0, t1)
+                t0 = t1
+            work = None if ws == 1 else _comm.all_gather(out, inp, self.info.shard_group, self.rank, ws)
+        if rec is not None:
+            rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel(), format=plan.policy.format)
+        self.pending_ag = (work, out)
 
     def _issue_extension_all_gather(self) -> None:
         """One all-gather of bytes: every subclass parameter's inner tensors and every plain
@@ -716,3 +748,73 @@ def _check_extension_params(params, owners, ext, world_size: int, offload, post_
                 f"fully_shard: {where} uses the all-gather extension protocol, which fsdp_native does not support with "
                 "an int reshard_after_forward"
             )
+
+
+class _QuantPlan:
+    """Which parameters of a unit the quantized all-gather quantizes, and the byte layout of
+    one rank's chunk: ``[quantized codes and scales (quant.unit_layout)][the other
+    parameters' padded shards in the unsharded dtype]``."""
+
+    def __init__(self, policy: QuantizedAllGather, q: list[int], plain: list[int], rows: list[int], layout, itemsize: int, unit) -> None:
+        self.policy, self.q, self.plain, self.rows = policy, q, plain, rows
+        self.q_bytes = layout.rank_nbytes
+        self.chunk = self.q_bytes + sum(unit.padded[i] for i in plain) * itemsize
+        self.itemsize = itemsize
+        self.q_padded = [unit.padded[i] for i in q]
+        self.plain_padded = [self.q_bytes // itemsize] + [unit.padded[i] for i in plain]
+        self.empty = torch.empty(0, dtype=unit.param_dtype, device=unit.device)
+
+    @staticmethod
+    def make(unit, policy: QuantizedAllGather) -> "_QuantPlan | None":
+        from fsdp_native import quant
+
+        where = f"fully_shard: argument 'all_gather' ({policy.format})"
+        if unit.has_ext:
+            raise NotImplementedError(f"{where} cannot be combined with tensor-subclass parameters (torch's all-gather extensions)")
+        if unit.offload is not None or unit.post_forward is not None:
+            raise NotImplementedError(f"{where} is not supported with CPU offload or an int reshard_after_forward")
+        if unit.gather_bytes:
+            raise NotImplementedError(
+                f"{where} needs one unsharded dtype per unit, got {sorted({str(d) for d in unit.param_dtypes})}; set "
+                "mp_policy.param_dtype"
+            )
+        q = [
+            i
+            for i, shape in enumerate(unit.shapes)
+            if len(shape) >= 2
+            and unit.numels[i] >= policy.min_numel
+            and (policy.format != quant.NF4 or not unit.requires_grad[i])
+        ]
+        if not q:
+            return None
+        plain = [i for i in range(len(unit.shapes)) if i not in q]
+        rows = [math.prod(unit.shapes[i][1:]) for i in q]
+        layout = quant.unit_layout([unit.padded[i] for i in q], rows, policy.format, block_size=policy.block_size)
+        return _QuantPlan(policy, q, plain, rows, layout, unit.param_dtype.itemsize, unit)
+
+    def copy_in(self, unit, inp: torch.Tensor) -> None:
+        from fsdp_native import quant
+
+        if self.plain:  # zeroes the quantized region first (an empty source), then the shards
+            views = [self.empty] + [unit.shard_views[i] for i in self.plain]
+            ops.all_gather_copy_in(views, self.plain_padded, inp.view(unit.param_dtype))
+        quant.quantize_copy_in(
+            [unit.shard_views[i] for i in self.q],
+            self.q_padded,
+            self.rows,
+            inp.narrow(0, 0, self.q_bytes),
+            format=self.policy.format,
+            block_size=self.policy.block_size,
+        )
+
+    def copy_out(self, unit, out: torch.Tensor) -> None:
+        from fsdp_native import quant
+
+        ws = unit.world_size
+        gathered = out.view(ws, self.chunk)[:, : self.q_bytes]
+        outs = unit._unsharded_plain
+        quant.dequantize_copy_out(
+            gathered, self.q_padded, self.rows, ws, [outs[i] for i in self.q], format=self.policy.format, block_size=self.policy.block_size
+        )
+        if self.plain:
+            ops.all_gather_copy_out(out.view(unit.param_dtype), self.plain_padded, ws, [self.empty] + [outs[i] for i in self.plain])
