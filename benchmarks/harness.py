@@ -59,10 +59,17 @@ class Impl:
 
 
 def load_impl(name: str) -> Impl:
-    """``torch`` (torch.distributed.fsdp), ``fsdp_native``, or any importable module exposing
+    """``torch`` (torch.distributed.fsdp), ``fsdp_native``, ``fsdp_native:<format>`` (its
+    quantized all-gather, e.g. ``fsdp_native:fp8_rowwise``), or any importable module exposing
     ``fully_shard``, ``MixedPrecisionPolicy`` and ``FSDPModule``."""
-    module = {"torch": "torch.distributed.fsdp"}.get(name, name)
+    base, _, fmt = name.partition(":")
+    module = {"torch": "torch.distributed.fsdp"}.get(base, base)
     mod = importlib.import_module(module)
+    if fmt:  # "fsdp_native:fp8_rowwise": fsdp_native's quantized all-gather on every unit
+        import functools
+
+        policy = mod.QuantizedAllGather(fmt)
+        return Impl(name, functools.partial(mod.fully_shard, all_gather=policy), mod.MixedPrecisionPolicy, mod.FSDPModule)
     return Impl(name, mod.fully_shard, mod.MixedPrecisionPolicy, mod.FSDPModule)
 
 
