@@ -1,8 +1,9 @@
 """Differential fuzzing against torch FSDP2 (hypothesis): random model structures, fully_shard
 placements and training settings; fsdp_native and torch.distributed.fsdp train the same model
-for a few steps and must give the same losses and parameters bit for bit, in fp32 and with
-bf16 parameters alike (the two libraries round the same way; FSDP_FUZZ_BF16_TOL=1 relaxes bf16
-to the parity tests' BF16_TOL).
+for a few steps and must give the same losses and parameters: bit for bit in fp32, within
+BF16_TOL (the parity tests' bf16 tolerance) with bf16 parameters. At world size 2 the bf16
+results have been bitwise equal too (FSDP_FUZZ_EXACT_BF16=1 requires it); at world size 4 a
+unit with frozen parameters reduces in a different order than torch (the tests at the end).
 
 Random per example (`Spec`): width (1 to 9, odd ones included), 1-3 residual blocks each with
 its own hidden width, a vocabulary of 1-6 (1: the embedding and head have fewer rows than
@@ -11,25 +12,29 @@ ranks), tied embedding/head, block 0 shared (run twice per forward and registere
 frozen parameters; for each block whether it is a unit, a unit
 with its `fc1` nested as another unit, or `fully_shard([fc1, fc2])` without the block; the
 head a unit, part of `fully_shard([norm, head])`, or in the root; reshard_after_forward per
-unit (True, False, None); mixed precision (none, bf16 with fp32 reduction, bf16 throughout);
-1 or 2 micro-batches (gradient accumulation with set_requires_gradient_sync(False)); 2 steps of
-AdamW. HSDP 2x2 examples run at world size 4.
+unit (True, False, None; at world size 4 over a 1-D mesh also the ints 1, 2, 4); mixed
+precision (none, bf16 with fp32 reduction, bf16 throughout; an fp32 head unit, an fp32 root
+output); CPU offload; activation checkpointing; explicit prefetch; 1 or 2 micro-batches
+(set_requires_gradient_sync(False), optionally set_reshard_after_backward(False)); 2 steps of
+AdamW. World size 4 examples are HSDP 2x2 or 1-D over 4 ranks.
 
 The examples run inside the spawned ranks: both draw the same ones (derandomized, or
 FSDP_FUZZ_SEED), each example's outcome is agreed through the store, and a failure raises the
 same AssertionError at the same line on every rank, so hypothesis stays in step on every rank,
 shrinking included.
 
-    make test:  FUZZ_EXAMPLES (8 at world size 2, 2 HSDP at world size 4), derandomized
-    make fuzz:  FSDP_FUZZ_EXAMPLES=300 (world size 2), FSDP_FUZZ_HSDP_EXAMPLES (default 30)
+    make test:  8 examples at world size 2 and 2 at world size 4, derandomized
+    make fuzz:  FSDP_FUZZ_EXAMPLES=300 (world size 2), FSDP_FUZZ_HSDP_EXAMPLES=30 (world size 4)
 
-Failures found become regular tests below (`REGRESSIONS`).
+Failures found become regular tests at the end of this file.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import traceback
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
 
 import dist_utils
 from dist_utils import ctx, full_params, load_impl, ref_impl, run_distributed, run_grid
@@ -45,10 +51,9 @@ from dist_utils import ctx, full_params, load_impl, ref_impl, run_distributed, r
 FUZZ_EXAMPLES = int(os.environ.get("FSDP_FUZZ_EXAMPLES", "8"))
 HSDP_EXAMPLES = int(os.environ.get("FSDP_FUZZ_HSDP_EXAMPLES", "2"))
 FUZZ_SEED = os.environ.get("FSDP_FUZZ_SEED")
-# With bf16 parameters the results have been bitwise equal too; this is the parity tests'
-# tolerance, for FSDP_FUZZ_BF16_TOL=1.
+# bf16 parameters: both libraries compute in bf16; the parity tests' tolerance.
 BF16_TOL = dict(rtol=1.6e-2, atol=1e-2)
-EXACT_BF16 = os.environ.get("FSDP_FUZZ_BF16_TOL", "0") != "1"
+EXACT_BF16 = os.environ.get("FSDP_FUZZ_EXACT_BF16", "0") == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +61,7 @@ class BlockSpec:
     hidden: int
     norm: bool
     placement: str  # "none" | "unit" | "nested" | "list"
-    reshard: bool | None  # the block's unit(s)
+    reshard: bool | int | None  # the block's unit(s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +74,17 @@ class Spec:
     zero_param: str | None  # a (0, width) parameter: "unused" in forward, or "frozen" and used
     frozen: tuple[str, ...]  # parameter names (of the unsharded model) with requires_grad False
     head: str  # "root" | "unit" | "list" (fully_shard([norm, head]))
-    head_reshard: bool | None
-    root_reshard: bool | None
+    head_reshard: bool | int | None
+    root_reshard: bool | int | None
     mp: str  # "fp32" | "bf16" (fp32 reduce) | "bf16_all"
     accum: int
-    hsdp: bool = False
+    mesh: str = "1d"  # "1d" | "hsdp" (2x2) | "1d4" (world size 4: int reshard_after_forward too)
+    head_fp32: bool = False  # with bf16: the head's unit keeps fp32 parameters
+    out_fp32: bool = False  # with bf16: the root casts its output to fp32
+    offload: bool = False  # CPUOffloadPolicy on every unit
+    ac: bool = False  # activation checkpointing inside the blocks
+    prefetch: bool = False  # explicit forward / backward prefetch between block units
+    keep_unsharded_in_accum: bool = False  # set_reshard_after_backward(False) but on the last micro-batch
     steps: int = 2
 
 
@@ -82,14 +93,18 @@ class Spec:
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, hidden: int, norm: bool):
+    def __init__(self, width: int, hidden: int, norm: bool, ac: bool):
         super().__init__()
         self.norm = nn.LayerNorm(width) if norm else nn.Identity()
         self.fc1 = nn.Linear(width, hidden)
         self.fc2 = nn.Linear(hidden, width, bias=hidden % 2 == 0)
+        self.ac = ac
+
+    def _forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
     def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return checkpoint(self._forward, x, use_reentrant=False) if self.ac else self._forward(x)
 
 
 class Net(nn.Module):
@@ -97,7 +112,7 @@ class Net(nn.Module):
         super().__init__()
         self.spec = spec
         self.emb = nn.Embedding(spec.vocab, spec.width)
-        self.blocks = nn.ModuleList(Block(spec.width, b.hidden, b.norm) for b in spec.blocks)
+        self.blocks = nn.ModuleList(Block(spec.width, b.hidden, b.norm, spec.ac) for b in spec.blocks)
         self.norm = nn.LayerNorm(spec.width)
         self.head = nn.Linear(spec.width, spec.vocab, bias=False)
         if spec.tied:
@@ -132,13 +147,14 @@ def build(impl, spec: Spec, mesh) -> Net:
         if n in frozen:
             p.requires_grad_(False)
     fs = impl.fully_shard
-    if spec.mp == "bf16":
-        mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    elif spec.mp == "bf16_all":
-        mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    else:
-        mp = impl.MixedPrecisionPolicy()
-    kw = dict(mesh=mesh, mp_policy=mp)
+    mp_kw = {
+        "fp32": {},
+        "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        "bf16_all": dict(param_dtype=torch.bfloat16),
+    }[spec.mp]
+    kw = dict(mesh=mesh, mp_policy=impl.MixedPrecisionPolicy(**mp_kw))
+    if spec.offload:
+        kw["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
     for block, b in zip(model.blocks, spec.blocks):
         if b.placement == "nested":
             fs(block.fc1, reshard_after_forward=b.reshard, **kw)
@@ -147,11 +163,22 @@ def build(impl, spec: Spec, mesh) -> Net:
             fs(block, reshard_after_forward=b.reshard, **kw)
         elif b.placement == "list":
             fs([block.fc1, block.fc2], reshard_after_forward=b.reshard, **kw)
+    head_kw = dict(kw)
+    if spec.head_fp32:
+        head_kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     if spec.head == "unit":
-        fs(model.head, reshard_after_forward=spec.head_reshard, **kw)
+        fs(model.head, reshard_after_forward=spec.head_reshard, **head_kw)
     elif spec.head == "list":
-        fs([model.norm, model.head], reshard_after_forward=spec.head_reshard, **kw)
-    fs(model, reshard_after_forward=spec.root_reshard, **kw)
+        fs([model.norm, model.head], reshard_after_forward=spec.head_reshard, **head_kw)
+    root_kw = dict(kw)
+    if spec.out_fp32:
+        root_kw["mp_policy"] = impl.MixedPrecisionPolicy(**mp_kw, output_dtype=torch.float32)
+    fs(model, reshard_after_forward=spec.root_reshard, **root_kw)
+    if spec.prefetch:
+        units = [blk for blk in model.blocks if isinstance(blk, impl.FSDPModule)]
+        for a, b in zip(units, units[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
     return model
 
 
@@ -165,6 +192,8 @@ def train(model: Net, spec: Spec) -> dict:
         for micro in range(spec.accum):
             if spec.accum > 1:
                 model.set_requires_gradient_sync(micro == spec.accum - 1)
+                if spec.keep_unsharded_in_accum:
+                    model.set_reshard_after_backward(micro == spec.accum - 1)
             tokens = torch.randint(spec.vocab, (2, 3), generator=g)
             target = torch.randn(2, 3, spec.vocab, generator=g)
             loss = (model(tokens).float() - target).pow(2).mean()
@@ -181,18 +210,24 @@ def train(model: Net, spec: Spec) -> dict:
 
 
 @st.composite
-def specs(draw, hsdp: bool = False) -> Spec:
+def specs(draw, world_size: int = 2) -> Spec:
+    mesh = "1d" if world_size == 2 else draw(st.sampled_from(["hsdp", "1d4"]))
+    # An int reshards to that many ranks after forward (1: not at all, the shard group: fully).
+    reshards = st.sampled_from([True, False, None] + ([1, 2, 4] if mesh == "1d4" else []))
     width = draw(st.integers(1, 9))
     blocks = tuple(
         BlockSpec(
             hidden=draw(st.integers(1, 9)),
             norm=draw(st.booleans()),
             placement=draw(st.sampled_from(["none", "unit", "nested", "list"])),
-            reshard=draw(st.sampled_from([True, False, None])),
+            reshard=draw(reshards),
         )
         for _ in range(draw(st.integers(1, 3)))
     )
     tied = draw(st.booleans())
+    mp = draw(st.sampled_from(["fp32", "bf16", "bf16_all"]))
+    accum = draw(st.integers(1, 2))
+    head = "root" if tied else draw(st.sampled_from(["root", "unit", "list"]))
     spec = Spec(
         width=width,
         vocab=draw(st.integers(1, 6)),
@@ -205,12 +240,18 @@ def specs(draw, hsdp: bool = False) -> Spec:
         frozen=(),
         # A tied head stays with the embedding, in the root unit (torch FSDP2 cannot share a
         # parameter between units).
-        head="root" if tied else draw(st.sampled_from(["root", "unit", "list"])),
-        head_reshard=draw(st.sampled_from([True, False, None])),
-        root_reshard=draw(st.sampled_from([True, False, None])),
-        mp=draw(st.sampled_from(["fp32", "bf16", "bf16_all"])),
-        accum=draw(st.integers(1, 2)),
-        hsdp=hsdp,
+        head=head,
+        head_reshard=draw(reshards),
+        root_reshard=draw(reshards),
+        mp=mp,
+        accum=accum,
+        mesh=mesh,
+        head_fp32=mp != "fp32" and head != "root" and draw(st.booleans()),
+        out_fp32=mp != "fp32" and draw(st.booleans()),
+        offload=draw(st.booleans()),
+        ac=draw(st.booleans()),
+        prefetch=draw(st.booleans()),
+        keep_unsharded_in_accum=accum > 1 and draw(st.booleans()),
     )
     names = param_names(spec)
     frozen = draw(st.lists(st.sampled_from(names), max_size=3, unique=True)) if draw(st.booleans()) else []
@@ -222,7 +263,7 @@ def specs(draw, hsdp: bool = False) -> Spec:
 
 
 def _mesh(spec: Spec):
-    if spec.hsdp:
+    if spec.mesh == "hsdp":
         return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
@@ -260,14 +301,17 @@ def run_example(spec: Spec) -> None:
     try:
         compare(spec)
     except Exception as e:  # noqa: BLE001 - reported below, on every rank
-        error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
+        # A difference in the results leaves the process group in step; anything else may not.
+        kind = "differs" if isinstance(e, AssertionError) else "raised"
+        error = f"{kind}|{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
     c.store.set(f"fuzz/{i}/{c.rank}", error or "ok")
     keys = [f"fuzz/{i}/{r}" for r in range(c.world_size)]
     c.store.wait(keys)
     results = {r: c.store.get(k).decode() for r, k in enumerate(keys)}
-    failed = {r: v for r, v in results.items() if v != "ok"}
+    failed = {r: v.split("|", 1)[1] for r, v in results.items() if v != "ok"}
+    if any(v.startswith("raised|") for v in results.values()):
+        dist_utils._reinit_pg(c)  # collectives may be unmatched
     if failed:
-        dist_utils._reinit_pg(c)  # the failure may have left collectives unmatched
         first = min(failed)
         raise AssertionError(f"{spec} failed on ranks {sorted(failed)}; rank {first}: {failed[first]}")
 
@@ -278,42 +322,97 @@ def _settings(n: int):
         deadline=None,
         database=None,
         derandomize=FUZZ_SEED is None,
-        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+        phases=(Phase.explicit, Phase.generate) + (() if os.environ.get("FSDP_FUZZ_NO_SHRINK") else (Phase.shrink,)),
         suppress_health_check=list(HealthCheck),
         print_blob=True,
     )
     return s
 
 
-def _fuzz(hsdp: bool, n: int) -> None:
+def _fuzz(n: int) -> None:
     @_settings(n)
-    @given(spec=specs(hsdp=hsdp))
+    @given(spec=specs(world_size=dist.get_world_size()))
     def fuzz(spec):
         run_example(spec)
 
     if FUZZ_SEED is not None:
         fuzz = seed(int(FUZZ_SEED))(fuzz)
     fuzz()
+    if os.environ.get("FSDP_TEST_VERBOSE") and dist.get_rank() == 0:
+        print(f"\n[fuzz] world size {dist.get_world_size()}: {_COUNTER[0]} examples", flush=True)
 
 
 def test_fuzz_against_torch():
-    run_distributed(_fuzz, 2, False, FUZZ_EXAMPLES, timeout=max(240, 3 * FUZZ_EXAMPLES))
+    run_distributed(_fuzz, 2, FUZZ_EXAMPLES, timeout=max(240, 3 * FUZZ_EXAMPLES))
 
 
-def test_fuzz_against_torch_hsdp():
-    run_distributed(_fuzz, 4, True, HSDP_EXAMPLES, timeout=max(240, 8 * HSDP_EXAMPLES))
+def test_fuzz_against_torch_world_size_4():
+    """HSDP 2x2, and 1-D over 4 ranks with int reshard_after_forward."""
+    run_distributed(_fuzz, 4, HSDP_EXAMPLES, timeout=max(240, 8 * HSDP_EXAMPLES))
 
 
 # --------------------------------------------------------------------------------------------
 # every failure the fuzzing found, as a regular test
+#
+# A unit with frozen parameters (found at world size 4 with bf16 reduction; the shrunk example
+# below). fsdp_native packs every parameter of a unit into its reduce-scatter input, a frozen
+# one as zeros (_reduce.Bucket.issue: `padded += e.unit.padded`, an empty gradient for each
+# parameter without one); torch FSDP2 packs only the parameters that have a gradient. So
+# (1) the frozen parameters' zeros are communicated for nothing: a LoRA-like unit (frozen
+# weight, trainable bias) reduces the whole unit, and (2) gloo's ring all-reduce cuts the larger
+# buffer into other segments, so at world size > 2 the sums run in another order than torch's
+# and bf16 gradients differ by an ulp (blocks.0.fc1.bias: 3.5e-06 after 2 steps). Both tests
+# fail today (strict xfail: they pass, and must then lose the mark, once it is fixed).
 
-REGRESSIONS: list[Spec] = []
+FROZEN_UNIT = Spec(
+    width=1,
+    vocab=5,
+    blocks=(
+        BlockSpec(hidden=7, norm=False, placement="list", reshard=False),
+        BlockSpec(hidden=8, norm=True, placement="none", reshard=True),
+    ),
+    tied=False,
+    shared=False,
+    zero_param=None,
+    frozen=("blocks.0.fc1.weight", "blocks.0.fc2.weight"),
+    head="list",
+    head_reshard=True,
+    root_reshard=True,
+    mp="bf16_all",
+    accum=1,
+    mesh="1d4",
+    head_fp32=True,
+)
 
 
-def _regressions():
-    run_grid([dict(spec=s) for s in REGRESSIONS], compare, name="fuzz regression")
+def _exact(spec: Spec) -> None:
+    global EXACT_BF16
+    EXACT_BF16 = True
+    run_grid([dict(spec=spec)], compare, name="fuzz regression")
 
 
-def test_fuzz_regressions():
-    if REGRESSIONS:
-        run_distributed(_regressions, 2, timeout=240)
+@pytest.mark.xfail(strict=True, reason="runtime: a unit's frozen parameters are reduced too (zeros), in another order than torch")
+def test_frozen_unit_reduces_like_torch():
+    run_distributed(_exact, 4, FROZEN_UNIT, timeout=180)
+
+
+def _reduce_bytes() -> None:
+    import fsdp_native
+
+    impl = load_impl()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    model[0].weight.requires_grad_(False)  # unit 0: frozen weight, trainable bias
+    impl.fully_shard(model[0], mesh=mesh)
+    impl.fully_shard(model, mesh=mesh)
+    with fsdp_native.record_trace() as rec:
+        model(torch.randn(4, 64)).sum().backward()
+    moved = {unit: d.get("reduce_scatter") for unit, d in rec.bytes_summary()[0].items()}
+    # torch FSDP2 reduce-scatters the bias only: 64 fp32 elements (32 per rank, 2 ranks).
+    assert moved["0"] == 64 * 4, f"unit '0' reduce-scatters {moved['0']} bytes, torch FSDP2 {64 * 4}"
+
+
+@pytest.mark.xfail(strict=True, reason="runtime: a unit's frozen parameters are reduced too (zeros)")
+def test_frozen_parameters_are_not_reduced():
+    run_distributed(_reduce_bytes, 2, timeout=120)
