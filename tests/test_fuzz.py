@@ -311,9 +311,23 @@ def run_example(spec: Spec) -> None:
     failed = {r: v.split("|", 1)[1] for r, v in results.items() if v != "ok"}
     if any(v.startswith("raised|") for v in results.values()):
         dist_utils._reinit_pg(c)  # collectives may be unmatched
+        _forget_old_groups()
     if failed:
         first = min(failed)
         raise AssertionError(f"{spec} failed on ranks {sorted(failed)}; rank {first}: {failed[first]}")
+
+
+def _forget_old_groups() -> None:
+    """DTensor's sharding propagation cache keys on meshes by layout, not by process group: a
+    cached output spec can carry a mesh of the destroyed groups ("Could not resolve the process
+    group registered under the name ..."). Clear it after the groups were re-created."""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        clear = getattr(getattr(prop, name, None), "cache_clear", None)
+        if clear is not None:
+            clear()
 
 
 def _settings(n: int):
