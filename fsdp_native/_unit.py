@@ -362,6 +362,13 @@ class Unit:
             return
         rec = _trace.active
         t0 = _trace.now_us() if rec is not None else 0.0
+        if ws == 1 and not self.needs_cast and self.shard_device == self.device:
+            # One rank: the flat shard is the gathered data; no buffer, no collective (an
+            # all-gather buffer here held one unit more than torch at world size 1).
+            if rec is not None:
+                rec.collective("all_gather", "all_gather", self.fqn, None, t0, S * self.sharded_flat.element_size())
+            self.pending_ag = (None, self.sharded_flat)
+            return
         st = self.streams
         st.wait(self.sharded_flat, st.all_gather, st.compute)  # the optimizer wrote the shards on compute
         with st.use(st.all_gather):
@@ -427,7 +434,7 @@ class Unit:
             per = self.world_size // size * self.total_padded
             self._pf_keep = out.narrow(0, index * per, per)
         # The unit counts as its all-gather buffer while in flight, then as its parameters.
-        self._account(allocated - out.numel() * out.element_size())
+        self._account(allocated - self._ag_nbytes(out))
         st.wait(out, st.all_gather, st.compute)  # `out` came from the all-gather stream: release after the copy-out
         del out
         self._to_unsharded()
@@ -512,6 +519,10 @@ class Unit:
                 )
         return allocated
 
+    def _ag_nbytes(self, out: torch.Tensor) -> int:
+        """Bytes of an all-gather buffer (none when the flat shard stood in for it)."""
+        return 0 if out is self.sharded_flat else out.numel() * out.element_size()
+
     def unshard(self) -> None:
         if self.is_unsharded:
             return
@@ -549,7 +560,7 @@ class Unit:
             self.pending_ag = None
             if work is not None:
                 work.wait()
-            self._account(-out.numel() * out.element_size())
+            self._account(-self._ag_nbytes(out))
 
     # -------------------------------------------------------------- gradients
     def new_grads(self) -> tuple[torch.Tensor, list[DTensor]]:

@@ -4,8 +4,7 @@ What a process has allocated is read from glibc (``mallinfo2``: bytes in use in 
 malloc arena plus mmapped chunks), which is where torch's CPU allocator gets its memory, so
 it counts every tensor, whoever holds it. Each configuration trains the same model with
 torch FSDP2 and with the implementation under test in the same process, each measured from
-its own start after ``gc.collect()``, at world size 2 (at world size 1 fsdp_native holds
-one block more than torch at the first block's backward, not yet explained; see issue 8):
+its own start after ``gc.collect()``, at world size 2, and at world size 1 in fp32:
 
 * at the loss (the forward done, the backward not started), where the logits make many
   models peak, and at the start of each block's backward (a hook on the block's output, after a barrier on
@@ -185,3 +184,15 @@ def _grid():
 
 def test_memory_at_most_torch_world_size_2():
     run_distributed(_grid, 2, timeout=480)
+
+
+def _grid_ws1():
+    # fp32 only: with bf16 parameters fsdp_native still holds one block more than torch at
+    # the first block's backward at world size 1 (open in issue 8; world size 2 is at most
+    # torch's in every configuration above).
+    configs = [dict(mp=False, reshard=True, meta=False), dict(mp=False, reshard=False, meta=True)]
+    run_grid(configs, _check, name="memory-ws1")
+
+
+def test_memory_at_most_torch_world_size_1():
+    run_distributed(_grid_ws1, 1, timeout=480)
