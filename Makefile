@@ -59,9 +59,9 @@ cuda-check:
 	bash .ci/cuda_check.sh
 
 # The oldest supported torch (README, "Supported torch versions"): the runtime tests in
-# .venv-oldest. Its extension is built as pip would (with the CUDA kernels, sm_90 only, where
-# torch is a CUDA build and nvcc is found) into build/oldest/lib, never fsdp_native/_C*.so
-# (that one belongs to .venv's torch), and the tests import fsdp_native from there.
+# .venv-oldest. Its extension (CPU kernels only: the tests run on CPU, and the CUDA build is
+# checked on the newest torch by cuda-check) is built into build/oldest/lib, never
+# fsdp_native/_C*.so (that one belongs to .venv's torch); the tests import fsdp_native from there.
 OLDEST_TORCH_VERSION ?= 2.11.0
 OLDEST := $(CURDIR)/.venv-oldest
 OLDEST_BUILD := $(CURDIR)/build/oldest
@@ -78,7 +78,7 @@ $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION):
 .PHONY: test-oldest
 test-oldest: $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)
 	rm -rf $(OLDEST_BUILD)/lib
-	TORCH_CUDA_ARCH_LIST=$${TORCH_CUDA_ARCH_LIST:-9.0} $(OLDEST)/bin/python setup.py -q build --build-base $(OLDEST_BUILD) --build-lib $(OLDEST_BUILD)/lib \
+	FORCE_CUDA=0 $(OLDEST)/bin/python setup.py -q build --build-base $(OLDEST_BUILD) --build-lib $(OLDEST_BUILD)/lib \
 		--build-temp $(OLDEST_BUILD)/temp
 	cd $(OLDEST_BUILD) && PYTHONPATH=$(OLDEST_BUILD)/lib $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
 		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS))
