@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_native import _comm, _compat, _trace, ops
-from fsdp_native._unit import Unit, _empty
+from fsdp_native._unit import Unit
 
 DEFAULT_BUCKET_BYTES = 0
 _AVG = dist.ReduceOp.AVG  # the reduce-scatter op is SUM or AVG (Unit._divide_factors)
@@ -40,6 +40,13 @@ class Entry:
     grads: list | None
     has_grad: list[bool]
 
+    @property
+    def total(self) -> int:
+        """Reduce-scatter elements per rank: only the parameters with a gradient are packed,
+        as torch FSDP2 does (a frozen parameter's zeros would be communicated for nothing, and
+        a larger buffer is summed in another order by gloo's ring at world size > 2)."""
+        return sum(p for p, h in zip(self.unit.padded, self.has_grad) if h)
+
 
 class Bucket:
     def __init__(self, key: tuple) -> None:
@@ -59,12 +66,11 @@ class Bucket:
         ws, dtype, device = first.world_size, first.reduce_dtype, first.device
         pre, _, rs_op, _ = first._divide_factors()
         padded, grads = [], []
-        empty = _empty(first.reduce_dtype, device)
         for e in self.entries:
-            padded += e.unit.padded
-            grads += [g if g is not None else empty for g in e.grads]
+            padded += [p for p, h in zip(e.unit.padded, e.has_grad) if h]
+            grads += [g for g, h in zip(e.grads, e.has_grad) if h]
             e.grads = None
-        total = sum(e.unit.reduce_total for e in self.entries)
+        total = sum(e.total for e in self.entries)
         out = None
         group = first.info.shard_group
         by_all_reduce = ws > 1 and reduces_by_all_reduce(group)
@@ -105,7 +111,7 @@ class Bucket:
             else:
                 self.work = _compat.reduce_scatter_single(self.out, rs_in, op=rs_op, group=group, async_op=True)
         if rec is not None:
-            per_unit = {e.unit.fqn: e.unit.reduce_total * ws * dtype.itemsize for e in self.entries}
+            per_unit = {e.unit.fqn: e.total * ws * dtype.itemsize for e in self.entries}
             rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit, via="all_reduce" if by_all_reduce else "reduce_scatter")
 
     def finish(self) -> None:
@@ -123,7 +129,7 @@ class Bucket:
         offset = 0
         for e in self.entries:
             e.unit.pending_rs = None
-            n = e.unit.reduce_total
+            n = e.total
             out = self.out if len(self.entries) == 1 else self.out.narrow(0, offset, n)
             e.unit.take_reduced(out, e.has_grad)
             offset += n

@@ -662,6 +662,7 @@ class Unit:
         """Whether the reduce-scatter may write straight into the sharded-gradient buffer."""
         return (
             not self.has_ext
+            and all(has_grad)  # the reduce-scatter output is then the whole flat gradient buffer
             and self.reduce_dtype == self.orig_dtype
             and self.shard_device == self.device
             and self.partial_reduce is None
@@ -708,7 +709,9 @@ class Unit:
         needs_fresh = not accumulate or any(h and sp.grad is None for sp, h in zip(sps, has_grad))
         grad_dtensors = (pending[1] if pending is not None else self.new_grads()[1]) if needs_fresh else None
         if not accumulate:
-            ops.reduce_scatter_copy_out(out, self.padded, [g._local_tensor for g in grad_dtensors], divide_factor=factor)
+            ops.reduce_scatter_copy_out(
+                out, _with(self.padded, has_grad), _with([g._local_tensor for g in grad_dtensors], has_grad), divide_factor=factor
+            )
             for sp, g, h in zip(sps, grad_dtensors, has_grad):
                 if h:
                     sp.grad = g
@@ -724,7 +727,12 @@ class Unit:
                 targets.append(g._local_tensor)
             else:
                 targets.append(sp.grad._local_tensor)
-        ops.reduce_scatter_copy_out(out, self.padded, targets, divide_factor=factor, accumulate=True)
+        ops.reduce_scatter_copy_out(out, _with(self.padded, has_grad), _with(targets, has_grad), divide_factor=factor, accumulate=True)
+
+
+def _with(items: list, has_grad: list[bool]) -> list:
+    """The entries of the parameters that have a gradient (the only ones reduced)."""
+    return [x for x, h in zip(items, has_grad) if h]
 
 
 _EMPTIES: dict = {}
