@@ -292,7 +292,25 @@ def _reinit_pg(c: WorkerContext) -> None:
     except Exception:  # a broken group may fail to tear down; start fresh anyway
         pass
     c.generation += 1
+    _clear_dtensor_caches()
     _init_pg(c)
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor's sharding-propagation caches key meshes by layout, not by process group, so
+    after the groups are re-created they can hand out specs whose mesh names a destroyed
+    group (or, once names are reused, a live group of another size): a suspected cause of a
+    rare crash inside an all-gather after an earlier configuration failed (issue 11)."""
+    try:
+        from torch.distributed.tensor import DTensor
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+    except Exception:
+        return
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        clear = getattr(getattr(prop, name, None), "cache_clear", None)
+        if clear is not None:
+            clear()
 
 
 def _fmt_config(cfg: dict) -> str:
