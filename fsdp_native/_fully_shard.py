@@ -99,7 +99,8 @@ def fully_shard(
             )
     ignored = set(ignored_params or ())
     params, owners = _collect_params(modules, ignored)
-    _check_not_sharded(modules, params, owners)
+    names = _param_names(modules, params)
+    _check_not_sharded(modules, params, owners, names)
     for p, owner in zip(params, owners):
         if shard_placement_fn is not None:
             placement = shard_placement_fn(p)
@@ -107,7 +108,6 @@ def fully_shard(
                 raise NotImplementedError(
                     f"fully_shard: shard_placement_fn returned {placement} for '{owner[0][1]}', expected None or Shard(0)"
                 )
-    names = _param_names(modules, params)
     for p, name in zip(params, names):
         if p.dim() == 0:
             raise ValueError(
@@ -225,11 +225,10 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Par
     return params, owners
 
 
-def _check_not_sharded(modules, params, owners) -> None:
+def _check_not_sharded(modules, params, owners, names) -> None:
     """A parameter that is already a DTensor cannot be sharded again: by fsdp_native it means a
     parent was sharded before this submodule (fully_shard goes bottom-up); otherwise torch's
     fully_shard or tensor parallelism made it, which fsdp_native does not compose with."""
-    names = _param_names(modules, params)
     for p, owner, name in zip(params, owners, names):
         if not isinstance(p, DTensor):
             continue

@@ -92,16 +92,15 @@ class Unit:
 
         ws, rank = info.shard_size, info.shard_rank
         self.world_size, self.rank = ws, rank
-        # Parameters of torch's all-gather extension protocol (tensor subclasses such as
-        # torchao's NF4Tensor) gather what they choose; see _extension.py.
-        ext = [_extension.has_extension(p) for p in params]
-        if any(ext):
-            _check_extension_params(params, owners, ext, ws, offload, post_forward)
         if len({p.dtype for p in params}) > 1:
             order = sorted(range(len(params)), key=lambda i: -params[i].dtype.itemsize)  # stable
             params, owners = [params[i] for i in order], [owners[i] for i in order]
             self.owners = owners
+        # Parameters of torch's all-gather extension protocol (tensor subclasses such as
+        # torchao's NF4Tensor) gather what they choose; see _extension.py.
         self.ext = [_extension.has_extension(p) for p in params]
+        if any(self.ext):
+            _check_extension_params(params, owners, self.ext, ws, offload, post_forward)
         self.has_ext = any(self.ext)
         self._ext_state = [_extension.ExtState() if e else None for e in self.ext]
         self.shapes = [p.shape for p in params]
