@@ -297,20 +297,29 @@ def _reinit_pg(c: WorkerContext) -> None:
 
 
 def _clear_dtensor_caches() -> None:
-    """DTensor's sharding-propagation caches key meshes by layout, not by process group, so
-    after the groups are re-created they can hand out specs whose mesh names a destroyed
-    group (or, once names are reused, a live group of another size): a suspected cause of a
-    rare crash inside an all-gather after an earlier configuration failed (issue 11)."""
+    """Clear DTensor's sharding-propagation caches: the Python lru caches and the C++
+    dispatch fast path's cache.
+
+    They key meshes by layout (rank map, shape, names), not by process group. After the
+    groups are destroyed and re-created, an op on a DTensor of a new mesh can return an output
+    whose spec carries the *old* mesh, and the old mesh's group names now resolve to other,
+    live groups, possibly of another size or membership. tests/test_harness.py shows an
+    all-gather then running over a 4-rank group where the mesh dim has 2 ranks (issue 11: the
+    suspected cause of a rare segfault inside an all-gather after a re-init)."""
     try:
         from torch.distributed.tensor import DTensor
-
-        prop = DTensor._op_dispatcher.sharding_propagator
     except Exception:
         return
+    prop = DTensor._op_dispatcher.sharding_propagator
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
         clear = getattr(getattr(prop, name, None), "cache_clear", None)
         if clear is not None:
             clear()
+    import torch
+
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # torch >= 2.10: the C++ fast path's own cache
+        clear_native()
 
 
 def _fmt_config(cfg: dict) -> str:

@@ -1,0 +1,43 @@
+"""The test harness itself: after it re-creates the process groups (a failed configuration,
+the stall and fuzz tests), DTensor ops must see the new meshes.
+
+DTensor caches sharding propagation by mesh layout, not by process group, in a Python lru
+cache and in the C++ dispatch fast path. Without clearing both, an op on a DTensor of a
+mesh built after the re-init returns an output on the mesh of the destroyed groups, whose
+group names by then belong to other live groups: this test, with the fast-path cache left
+alone, gets the stale mesh and an all-gather over a 4-rank group on a 2-rank mesh dim
+("narrow unexpectedly changed concrete size"). Issue 11's rare segfault in an all-gather
+after a re-init is the suspected consequence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import dist_utils
+from dist_utils import ctx, run_distributed
+
+N = 1 << 12
+
+
+def _stale_mesh_after_reinit() -> None:
+    ws = dist.get_world_size()
+    old = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    y = distribute_tensor(torch.ones(4 * N), old, [Shard(0), Replicate()]) * 2
+    assert y.device_mesh is old
+    dist_utils._reinit_pg(ctx())
+    # Take the group names the old mesh used with groups of every rank.
+    extra = [dist.new_group(list(range(ws))) for _ in range(4)]
+    new = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    y = distribute_tensor(torch.ones(4 * N), new, [Shard(0), Replicate()]) * 2
+    names = [new.get_group(i).group_name for i in range(2)]
+    assert y.device_mesh is new, f"an op after the re-init returned the old mesh (new mesh's groups {names})"
+    full = y.full_tensor()
+    assert full.shape == (4 * N,) and torch.equal(full, torch.full((4 * N,), 2.0)), full.shape
+    del extra
+
+
+def test_dtensor_ops_see_new_meshes_after_reinit():
+    run_distributed(_stale_mesh_after_reinit, 4)
