@@ -1,6 +1,12 @@
 """Train a small transformer with fsdp_native on CPU ranks (gloo); checkpoint and resume with DCP.
 
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/train_demo.py [--impl torch] [--steps N]
+        [--bf16] [--all-gather fp8|fp8_tensorwise|nf4]
+
+``--all-gather`` turns on fsdp_native's quantized all-gather for the blocks (fp8 or NF4 bytes
+on the wire, dequantized for compute); the summary's "communication per step" shows the
+bytes. NF4 is for frozen weights, so ``--all-gather nf4`` trains QLoRA-style: the blocks' Linear
+weights frozen, rank-16 adapters beside them (``--lora RANK``).
 
 Task: copy. Each sequence is a random half of HALF tokens followed by the same half again; the
 model is trained on next-token prediction over the second half, so the loss starts near
@@ -64,6 +70,31 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class LoRALinear(nn.Module):
+    """A frozen Linear plus a trainable low-rank update (QLoRA's adapters): ``base(x) +
+    up(down(x)) * scale``, ``up`` zero-initialised so training starts from the base model."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float = 16.0):
+        super().__init__()
+        self.base = base
+        self.base.weight.requires_grad_(False)
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.up.weight)
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x)) * self.scale
+
+
+def add_lora(model: "Transformer", rank: int) -> None:
+    """Wraps every Linear of the blocks in a LoRALinear (frozen weight, trainable adapters)."""
+    for block in model.blocks:
+        for name, child in list(block.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(block, name, LoRALinear(child, rank))
 
 
 class Transformer(nn.Module):
@@ -136,6 +167,28 @@ def load_impl(name: str):
         return fsdp_native.unsharded_stats(model).peak_bytes
 
     return fully_shard, peak_bytes, fsdp_native.reset_unsharded_peak
+
+
+ALL_GATHER_FORMATS = {"fp8": "fp8_rowwise", "fp8_rowwise": "fp8_rowwise", "fp8_tensorwise": "fp8_tensorwise", "nf4": "nf4"}
+
+
+def shard(model: "Transformer", fully_shard, *, all_gather: str = "plain", bf16: bool = False) -> None:
+    """One unit per block plus the root, as in torch's FSDP2 tutorial. ``all_gather``: a key
+    of ALL_GATHER_FORMATS for fsdp_native's quantized all-gather of the blocks (the root's
+    embeddings and head stay plain); ``bf16``: bf16 compute with fp32 reductions."""
+    kw = {}
+    if bf16:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    block_kw = dict(kw)
+    if all_gather != "plain":
+        from fsdp_native import QuantizedAllGather
+
+        block_kw["all_gather"] = QuantizedAllGather(ALL_GATHER_FORMATS[all_gather])
+    for block in model.blocks:
+        fully_shard(block, **block_kw)
+    fully_shard(model, **kw)
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -231,7 +284,22 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--all-gather",
+        choices=["plain", *ALL_GATHER_FORMATS],
+        default="plain",
+        help="fsdp_native's quantized all-gather for the blocks: fp8 (= fp8_rowwise), fp8_tensorwise or nf4 "
+        "(nf4 quantizes frozen weights only, so it implies --lora 16 unless given); default plain",
+    )
+    p.add_argument("--bf16", action="store_true", help="bf16 compute (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="QLoRA-style fine-tuning: freeze the blocks' Linear weights and train rank-RANK adapters beside them")
+    args = p.parse_args(argv)
+    if args.all_gather != "plain" and args.impl != "fsdp_native":
+        p.error(f"--all-gather {args.all_gather} is fsdp_native's own; --impl {args.impl} has no quantized all-gather")
+    if args.all_gather == "nf4" and args.lora == 0:
+        args.lora = 16
+    return args
 
 
 def main(argv=None) -> None:
@@ -247,17 +315,18 @@ def main(argv=None) -> None:
     fully_shard, peak_bytes, reset_peak = load_impl(args.impl)
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = Transformer(args.vocab, 2 * args.half - 1, args.dim, args.heads, args.layers)
+    if args.lora:
+        add_lora(model, args.lora)
     n_params = sum(p.numel() for p in model.parameters())
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    shard(model, fully_shard, all_gather=args.all_gather, bf16=args.bf16)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     state = TrainState(model, optimizer)
 
     if is_main:
         print(
             f"impl={args.impl} ranks={world} params={n_params / 1e6:.2f}M units={args.layers + 1} "
-            f"task=copy(vocab={args.vocab}, half={args.half}) batch/rank={args.batch}",
+            f"task=copy(vocab={args.vocab}, half={args.half}) batch/rank={args.batch} all_gather={args.all_gather}"
+            f"{' compute=bf16' if args.bf16 else ''}{f' lora={args.lora}' if args.lora else ''}",
             flush=True,
         )
     resumed = None if args.fresh else ckpt.load_latest({"train": state}, args.ckpt_dir)
@@ -292,7 +361,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         logits = model(inputs)
         loss = F.cross_entropy(
-            logits[:, args.half - 1 :].reshape(-1, args.vocab), targets[:, args.half - 1 :].reshape(-1)
+            logits[:, args.half - 1 :].float().reshape(-1, args.vocab), targets[:, args.half - 1 :].reshape(-1)
         )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
