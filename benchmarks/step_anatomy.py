@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/step_anatomy.py                       # fsdp_native, overhead model
     .venv/bin/python benchmarks/step_anatomy.py --impl torch --model compute --steps 5
+    .venv/bin/python benchmarks/step_anatomy.py --impl fsdp_native:fp8_rowwise --model compute --precision bf16
 
 2 ranks (CPU, gloo, OMP_NUM_THREADS=1), AdamW, mean-square loss, as bench_step.py. Prints for
 rank 0: the wall time per step; the CPU time per step of every thread of the process (from
@@ -45,11 +46,11 @@ def _thread_cpu_ms() -> dict[tuple[str, str], float]:
     return out
 
 
-def _rank(rank: int, world_size: int, port: int, impl_name: str, model: str, steps: int) -> None:
+def _rank(rank: int, world_size: int, port: int, impl_name: str, model: str, steps: int, precision: str = "fp32") -> None:
     H.init_pg(rank, world_size, port)
     impl = H.load_impl(impl_name)
     cfg = MODEL_CONFIGS[model]
-    m = shard_model(build_model(cfg), impl.fully_shard)
+    m = shard_model(build_model(cfg), impl.fully_shard, H.mixed_precision(impl, precision))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     x, target = torch.randn(cfg.input_shape, generator=g), torch.randn(cfg.input_shape, generator=g)
@@ -67,7 +68,7 @@ def _rank(rank: int, world_size: int, port: int, impl_name: str, model: str, ste
     wall = (time.perf_counter() - t0) / steps * 1e3
     after = _thread_cpu_ms()
     spans = None
-    if impl_name == "fsdp_native":
+    if impl_name.startswith("fsdp_native"):
         import fsdp_native
 
         with fsdp_native.record_trace() as rec:
@@ -77,7 +78,7 @@ def _rank(rank: int, world_size: int, port: int, impl_name: str, model: str, ste
         spans = rec.spans
     if rank != 0:
         return
-    print(f"{impl_name}, {model} model, rank 0: {wall:.1f} ms/step over {steps} steps")
+    print(f"{impl_name}, {model} model ({precision}), rank 0: {wall:.1f} ms/step over {steps} steps")
     print("CPU per step by thread (ms):")
     for key in sorted(after, key=lambda k: -(after[k] - before.get(k, 0.0))):
         ms = (after[key] - before.get(key, 0.0)) / steps
@@ -99,8 +100,9 @@ def main() -> None:
     ap.add_argument("--impl", default="fsdp_native", help="fsdp_native or torch")
     ap.add_argument("--model", default="overhead", choices=list(MODEL_CONFIGS))
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = ap.parse_args()
-    H.run_ranks(_rank, args.impl, args.model, args.steps, world_size=2)
+    H.run_ranks(_rank, args.impl, args.model, args.steps, args.precision, world_size=2)
 
 
 if __name__ == "__main__":
