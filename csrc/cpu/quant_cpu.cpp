@@ -302,6 +302,200 @@ bool have_avx512() {
   }();
   return v;
 }
+
+// --- AVX-512 with VBMI, BF16 and the fp16 conversions (Ice Lake, Sapphire Rapids, Zen 4) ------
+//
+// The same bytes and values as the portable loops, in fewer instructions:
+//  * fp8 encode: e4m3 rounding in the float adder. For a = min(|q|, 448) with exponent E
+//    (E >= -6; below 2^-6, E = -6), M = 2^(E+20) + 8 (E+6) * 2^(E-3) has the ulp 2^(E-3), e4m3's
+//    step at E (2^-9, the subnormal step, at E = -6), so a + M rounds a to e4m3 (nearest, and
+//    even: M's mantissa 8 (E+6) is even) and the low byte of the sum's bits is the e4m3 code:
+//    8 (E+6) + round(a / 2^(E-3)). M comes from a 32-entry table indexed by the exponent.
+//  * fp8 decode: the code's exponent and mantissa bits moved into an fp16 (code 0x7f -> 0x3f80)
+//    are the e4m3 value times 2^-8, exactly (e4m3 subnormals are fp16 subnormals), which the
+//    fp16 conversion widens; the 2^8 goes into the scale (exact while |scale| <= 2^100).
+//  * bf16 stores by VCVTNE2PS2BF16 (nearest even, like store_value) where no product can be
+//    subnormal (the instruction flushes those): else the integer rounding.
+//  * NF4 encode: 32 uniform buckets over [-1, 1] (each holding at most one midpoint; the
+//    bucket function is monotone, so the code is the count of midpoints in lower buckets plus
+//    one compare); NF4 decode: nibbles to table indices by one VPMULTISHIFTQB.
+#define FSDPN_X512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,f16c,fma")))
+
+bool have_avx512x() {
+  static const bool v = [] {
+    __builtin_cpu_init();
+    return have_avx512() && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi") &&
+           __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+  }();
+  return v;
+}
+
+// M of the e4m3 rounding (above) by biased exponent & 31, for the exponents 104 (2^-23) ..
+// 135 (256 .. 448): below 2^-6 it is 2^14 (the subnormal step); a below 2^-23 is raised to
+// 2^-23 first, which keeps its code (0: anything below 2^-10 rounds to 0).
+constexpr uint32_t fp8_round_entry(uint32_t i) {
+  const uint32_t e = i >= 8 ? i + 96 : i + 128;
+  return e <= 121 ? 141u << 23 : ((e + 20) << 23) | ((e - 121) << 3);
+}
+#define FSDPN_R4(i) fp8_round_entry(i), fp8_round_entry(i + 1), fp8_round_entry(i + 2), fp8_round_entry(i + 3)
+alignas(64) constexpr uint32_t kFp8Round[32] = {FSDPN_R4(0),  FSDPN_R4(4),  FSDPN_R4(8),  FSDPN_R4(12),
+                                                FSDPN_R4(16), FSDPN_R4(20), FSDPN_R4(24), FSDPN_R4(28)};
+#undef FSDPN_R4
+
+// VFIXUPIMMPS table: NaN (quiet, signaling) and +-inf give MAX_FLOAT (low byte 0xff), the
+// other classes keep the destination.
+constexpr int kFixupNonFinite = 0x00ee00ee;
+
+// Codes of 16 floats x (times inv) in the low byte of each lane, without the sign; 0xff where
+// x is not finite. `Clamp`: |x * inv| may exceed 448 (a given amax); without it, |x * inv| < 464
+// (the scale from the finite amax: 448 (1 + 2^-21) at most), whose code is 448's.
+template <bool Clamp>
+FSDPN_X512 FSDPN_INLINE __m512i fp8_codes16(__m512 x, __m512 inv, __m512 tlo, __m512 thi) {
+  __m512 q = _mm512_mul_ps(x, inv);
+  if constexpr (Clamp) q = _mm512_range_ps(q, _mm512_set1_ps(kE4M3Max), 0x0A);  // min(|q|, 448)
+  const __m512 a = _mm512_range_ps(q, _mm512_set1_ps(0x1p-23f), 0x0B);          // max(|q|, 2^-23)
+  const __m512 s = _mm512_add_ps(a, _mm512_permutex2var_ps(tlo, _mm512_srli_epi32(_mm512_castps_si512(a), 23), thi));
+  return _mm512_castps_si512(_mm512_fixupimm_ps(s, x, _mm512_set1_epi32(kFixupNonFinite), 0));
+}
+
+// The final bytes from those low bytes c and the bytes h holding the sign of x in bit 7:
+// bits 0-6 of c, bit 7: sign and not bit 7 of c (0xff, non-finite x: 0x7f).
+FSDPN_X512 FSDPN_INLINE __m512i fp8_sign(__m512i c, __m512i h) {
+  return _mm512_ternarylogic_epi32(c, h, _mm512_set1_epi32(0x80808080u), 0x58);
+}
+
+// `pf`: where to prefetch, one source-sized stride ahead of each element (the next row).
+template <typename S, bool Clamp>
+FSDPN_X512 void fp8_encode_x512(const void* src, int64_t n, float inv_scale, uint8_t* d, const char* pf = nullptr) {
+  const S* s = static_cast<const S*>(src);
+  const int64_t pf_off = pf == nullptr ? 0 : pf - static_cast<const char*>(src);
+  const __m512 inv = _mm512_set1_ps(inv_scale);
+  const __m512 tlo = _mm512_load_ps(reinterpret_cast<const float*>(kFp8Round));
+  const __m512 thi = _mm512_load_ps(reinterpret_cast<const float*>(kFp8Round) + 16);
+  int64_t i = 0;
+  if constexpr (std::is_same<S, bf16_t>::value) {
+    // 64 elements from two loads of 32: the even elements (<< 16) and the odd ones (& high
+    // half) of each; one byte permutation puts the codes back in order, another gathers the
+    // high bytes (signs).
+    alignas(64) static constexpr uint8_t kIdx[128] = {
+#define FSDPN_P(e) static_cast<uint8_t>(((e) & 1) ? 64 + 2 * ((e) - 1) : 2 * (e))
+#define FSDPN_P8(e) FSDPN_P(e), FSDPN_P(e + 1), FSDPN_P(e + 2), FSDPN_P(e + 3), FSDPN_P(e + 4), FSDPN_P(e + 5), FSDPN_P(e + 6), FSDPN_P(e + 7)
+        FSDPN_P8(0), FSDPN_P8(8), FSDPN_P8(16), FSDPN_P8(24), FSDPN_P8(0), FSDPN_P8(8), FSDPN_P8(16), FSDPN_P8(24),
+#undef FSDPN_P
+#define FSDPN_P(e) static_cast<uint8_t>(2 * (e) + 1)
+        FSDPN_P8(0), FSDPN_P8(8), FSDPN_P8(16), FSDPN_P8(24), FSDPN_P8(32), FSDPN_P8(40), FSDPN_P8(48), FSDPN_P8(56)
+#undef FSDPN_P8
+#undef FSDPN_P
+    };
+    const __m512i idx = _mm512_load_si512(kIdx), idx_high = _mm512_load_si512(kIdx + 64);
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    for (; i + 64 <= n; i += 64) {
+      if (pf_off != 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(s + i) + pf_off, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(s + i) + pf_off + 64, _MM_HINT_T0);
+      }
+      const __m512i a = _mm512_loadu_si512(s + i), b = _mm512_loadu_si512(s + i + 32);
+      const __m512i a0 = fp8_codes16<Clamp>(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), inv, tlo, thi);
+      const __m512i a1 = fp8_codes16<Clamp>(_mm512_castsi512_ps(_mm512_and_si512(a, high)), inv, tlo, thi);
+      const __m512i b0 = fp8_codes16<Clamp>(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), inv, tlo, thi);
+      const __m512i b1 = fp8_codes16<Clamp>(_mm512_castsi512_ps(_mm512_and_si512(b, high)), inv, tlo, thi);
+      const __m512i c = _mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi8(a0, idx, a1), _mm512_permutex2var_epi8(b0, idx, b1));
+      _mm512_storeu_si512(d + i, fp8_sign(c, _mm512_permutex2var_epi8(a, idx_high, b)));
+    }
+  } else {
+    alignas(64) static constexpr uint8_t kIdx[128] = {
+#define FSDPN_P8(e) FSDPN_P(e), FSDPN_P(e + 1), FSDPN_P(e + 2), FSDPN_P(e + 3), FSDPN_P(e + 4), FSDPN_P(e + 5), FSDPN_P(e + 6), FSDPN_P(e + 7)
+#define FSDPN_P(e) static_cast<uint8_t>((e) < 16 ? 4 * (e) : 64 + 4 * ((e) - 16))
+        FSDPN_P8(0), FSDPN_P8(8), FSDPN_P8(16), FSDPN_P8(24), FSDPN_P8(0), FSDPN_P8(8), FSDPN_P8(16), FSDPN_P8(24),
+#undef FSDPN_P
+#define FSDPN_P(e) static_cast<uint8_t>(((e) < 16 ? 4 * (e) : 64 + 4 * ((e) - 16)) + 3)
+        FSDPN_P8(0), FSDPN_P8(8), FSDPN_P8(16), FSDPN_P8(24), FSDPN_P8(0), FSDPN_P8(8), FSDPN_P8(16), FSDPN_P8(24)
+#undef FSDPN_P8
+#undef FSDPN_P
+    };
+    const __m512i idx = _mm512_load_si512(kIdx), idx_high = _mm512_load_si512(kIdx + 64);
+    for (; i + 64 <= n; i += 64) {
+      __m512i x[4], c[4];
+      for (int j = 0; j < 4; ++j) {
+        if (pf_off != 0) _mm_prefetch(reinterpret_cast<const char*>(s + i + 16 * j) + pf_off, _MM_HINT_T0);
+        x[j] = _mm512_loadu_si512(s + i + 16 * j);
+        c[j] = fp8_codes16<Clamp>(_mm512_castsi512_ps(x[j]), inv, tlo, thi);
+      }
+      const __m512i h = _mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi8(x[0], idx_high, x[1]),
+                                                _mm512_permutex2var_epi8(x[2], idx_high, x[3]));
+      _mm512_storeu_si512(d + i, fp8_sign(_mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi8(c[0], idx, c[1]),
+                                                                  _mm512_permutex2var_epi8(c[2], idx, c[3])), h));
+    }
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m512i xb = load16_bits(s + i);
+    const __m512i c = fp8_sign(fp8_codes16<Clamp>(_mm512_castsi512_ps(xb), inv, tlo, thi), _mm512_srli_epi32(xb, 24));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm512_cvtepi32_epi8(c));
+  }
+  for (; i < n; ++i) d[i] = fp8_encode(to_float(s[i]), inv_scale);
+}
+
+// Largest |x| bits over the finite x, as max_finite_abs_loop. bf16 in 16-bit lanes: 2 x + 0x100
+// (mod 2^16) drops the sign and is 2 |x| + 0x100 for finite x, below 0x100 for inf and NaN
+// (2 |x| >= 0xff00 wraps), so one unsigned max finds the finite amax (float: the same in 32 bits).
+FSDPN_X512 uint32_t max_finite_abs_x512_bf16(const void* src, int64_t n) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  const __m512i k = _mm512_set1_epi16(0x100);
+  __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i a = _mm512_loadu_si512(s + i), b = _mm512_loadu_si512(s + i + 32);
+    m0 = _mm512_max_epu16(m0, _mm512_add_epi16(_mm512_add_epi16(a, a), k));
+    m1 = _mm512_max_epu16(m1, _mm512_add_epi16(_mm512_add_epi16(b, b), k));
+  }
+  for (; i < n; i += 32) {  // zeros past the end count as +0
+    const __m512i a = _mm512_maskz_loadu_epi16(n - i >= 32 ? ~__mmask32{0} : (__mmask32{1} << (n - i)) - 1, s + i);
+    m0 = _mm512_max_epu16(m0, _mm512_add_epi16(_mm512_add_epi16(a, a), k));
+  }
+  const __m512i m = _mm512_max_epu16(m0, m1);
+  const __m256i m2 = _mm256_max_epu16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1));
+  const __m128i m4 = _mm_max_epu16(_mm256_castsi256_si128(m2), _mm256_extracti128_si256(m2, 1));
+  const uint32_t r = 0xffffu & ~static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(m4, _mm_set1_epi32(-1)))));
+  return r < 0x100u ? 0u : ((r - 0x100u) >> 1) << 16;
+}
+
+FSDPN_X512 uint32_t max_finite_abs_x512_float(const void* src, int64_t n) {
+  const uint32_t* s = static_cast<const uint32_t*>(src);
+  const __m512i k = _mm512_set1_epi32(0x01000000);
+  __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i a = _mm512_loadu_si512(s + i), b = _mm512_loadu_si512(s + i + 16);
+    m0 = _mm512_max_epu32(m0, _mm512_add_epi32(_mm512_add_epi32(a, a), k));
+    m1 = _mm512_max_epu32(m1, _mm512_add_epi32(_mm512_add_epi32(b, b), k));
+  }
+  for (; i < n; i += 16) {
+    const __m512i a = _mm512_maskz_loadu_epi32(n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1), s + i);
+    m0 = _mm512_max_epu32(m0, _mm512_add_epi32(_mm512_add_epi32(a, a), k));
+  }
+  const uint32_t r = _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+  return r < 0x01000000u ? 0u : (r - 0x01000000u) >> 1;
+}
+
+template <typename S, bool Clamp>
+FSDPN_X512 void fp8_encode_x512_fn(const void* src, int64_t n, float inv_scale, uint8_t* d) {
+  fp8_encode_x512<S, Clamp>(src, n, inv_scale, d);
+}
+
+// fp8_rowwise over `rows` whole rows of `row` elements: each row's amax, scale and codes, the
+// next row prefetched while this one is encoded (the amax pass then reads it from the cache).
+template <typename S>
+FSDPN_X512 void fp8_rows_x512(const void* src, int64_t row, int64_t rows, uint8_t* codes, uint8_t* scales) {
+  const S* s = static_cast<const S*>(src);
+  for (int64_t r = 0; r < rows; ++r) {
+    const S* x = s + r * row;
+    const uint32_t amax = std::is_same<S, float>::value ? max_finite_abs_x512_float(x, row) : max_finite_abs_x512_bf16(x, row);
+    const float scale = fp8_scale(bits_float(amax));
+    std::memcpy(scales + 4 * r, &scale, 4);
+    fp8_encode_x512<S, false>(x, row, 1.0f / scale, codes + r * row,
+                              r + 1 < rows ? reinterpret_cast<const char*>(x + row) : nullptr);
+  }
+}
 #endif
 
 // --- one multiversioned entry point per dtype ----------------------------------------------------
@@ -309,7 +503,11 @@ bool have_avx512() {
 struct SrcFns {
   uint32_t (*max_finite_abs)(const void*, int64_t);
   void (*fp8_encode)(const void*, int64_t, float, uint8_t*);
+  // the same where |x / scale| < 464 for every finite x (a scale from the finite amax)
+  void (*fp8_encode_bounded)(const void*, int64_t, float, uint8_t*);
   void (*nf4_blocks)(const void*, int64_t, int64_t, int64_t, int64_t, uint8_t*, uint8_t*);
+  // fp8_rowwise over whole rows (src, row, rows, codes, scales), or null
+  void (*fp8_rows)(const void*, int64_t, int64_t, uint8_t*, uint8_t*) = nullptr;
 };
 struct DstFns {
   void (*fp8_decode)(const uint8_t*, int64_t, float, void*);
@@ -352,16 +550,18 @@ SrcFns src_fns(at::ScalarType t) {
   switch (t) {
 #if FSDPN_QUANT_X86
     case at::kFloat:
-      if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
-      return {max_finite_abs_float, fp8_encode_float, nf4_blocks_float};
+      if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_avx512<float>, fp8_rows_x512<float>};
+      if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
+      return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
-      if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
-      return {max_finite_abs_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
+      if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_avx512<bf16_t>, fp8_rows_x512<bf16_t>};
+      if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
+      return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
-    case at::kFloat: return {max_finite_abs_float, fp8_encode_float, nf4_blocks_float};
-    case at::kBFloat16: return {max_finite_abs_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
+    case at::kFloat: return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
+    case at::kBFloat16: return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #endif
-    default: return {max_finite_abs_f16_t, fp8_encode_f16_t, nf4_blocks_f16_t};
+    default: return {max_finite_abs_f16_t, fp8_encode_f16_t, fp8_encode_f16_t, nf4_blocks_f16_t};
   }
 }
 DstFns dst_fns(at::ScalarType t) {
@@ -452,9 +652,10 @@ void quantize_task(const QuantizePlan& plan, const Task& k) {
                    seg + k.lo / 2, scales + 4 * (k.lo / plan.block));
     return;
   }
+  const bool bounded = plan.fmt == kFp8Rowwise || plan.amax == nullptr;  // scales from the data
   auto encode = [&](int64_t lo, int64_t hi, float scale) {
     const int64_t valid_hi = std::min(hi, p.numel);
-    if (valid_hi > lo) fns.fp8_encode(elem_ptr(p, lo), valid_hi - lo, 1.0f / scale, seg + lo);
+    if (valid_hi > lo) (bounded ? fns.fp8_encode_bounded : fns.fp8_encode)(elem_ptr(p, lo), valid_hi - lo, 1.0f / scale, seg + lo);
     const int64_t z = std::max(lo, valid_hi);
     if (hi > z) std::memset(seg + z, 0, static_cast<size_t>(hi - z));  // 0x00 encodes +0
   };
@@ -465,7 +666,13 @@ void quantize_task(const QuantizePlan& plan, const Task& k) {
     return;
   }
   const int64_t row = p.row_numel;
-  for (int64_t r0 = k.lo; r0 < k.hi; r0 += row) {
+  int64_t r0 = k.lo;  // a whole number of rows
+  if (fns.fp8_rows != nullptr) {
+    const int64_t end = std::min(k.hi, p.numel / row * row);  // the rows with every element valid
+    if (end > r0) fns.fp8_rows(elem_ptr(p, r0), row, (end - r0) / row, seg + r0, scales + 4 * (r0 / row));
+    r0 = std::max(r0, end);
+  }
+  for (; r0 < k.hi; r0 += row) {
     const int64_t valid = std::max<int64_t>(0, std::min(row, p.numel - r0));
     const float scale = fp8_scale(bits_float(valid > 0 ? fns.max_finite_abs(elem_ptr(p, r0), valid) : 0u));
     std::memcpy(scales + 4 * (r0 / row), &scale, 4);
@@ -478,10 +685,23 @@ void quantize_copy_in_cpu(at::TensorList shards, at::IntArrayRef padded_numels,
                           const c10::optional<at::Tensor>& amax, const at::Tensor& out) {
   const QuantizePlan plan =
       plan_quantize_copy_in(shards, padded_numels, row_numels, format, block_size, amax, out);
+  if (plan.fmt == kFp8Tensorwise && plan.amax == nullptr) {
+    // One parameter at a time, its amax pass then its encode pass: a shard that fits in the
+    // L2 cache is read from there the second time.
+    for (size_t i = 0; i < plan.params.size(); ++i) {
+      const QuantParam& p = plan.params[i];
+      if (p.layout.nbytes == 0) continue;
+      const float scale = fp8_scale(finite_amax({p})[0]);
+      std::memcpy(plan.out + p.offset + p.layout.scale_offset, &scale, 4);
+      zero_gaps(plan.out + p.offset, p.layout);
+      std::vector<Task> tasks;
+      add_tasks(tasks, i, 0, p.padded, task_unit(plan.fmt, p, plan.block));
+      run_tasks(tasks, [&](const Task& k) { quantize_task(plan, k); });
+    }
+    return;
+  }
   if (plan.fmt == kFp8Tensorwise) {
-    std::vector<float> a;
-    if (plan.amax != nullptr) a.assign(plan.amax, plan.amax + plan.params.size());
-    else a = finite_amax(plan.params);
+    const std::vector<float> a(plan.amax, plan.amax + plan.params.size());
     for (size_t i = 0; i < plan.params.size(); ++i) {
       const QuantParam& p = plan.params[i];
       if (p.layout.n_scales == 0) continue;
