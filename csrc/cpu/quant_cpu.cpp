@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <cstdint>
 #include <cstring>
@@ -496,6 +497,87 @@ FSDPN_X512 void fp8_rows_x512(const void* src, int64_t row, int64_t rows, uint8_
                               r + 1 < rows ? reinterpret_cast<const char*>(x + row) : nullptr);
   }
 }
+
+// fp8 decode. Fast path where every product code * scale is 0 or a normal float: scale in
+// [2^-117, 2^100] (the smallest nonzero code is 2^-9, the largest 448; 256 scale is exact).
+// There code * scale = fp16(code's bits) * (256 scale) with one rounding, and VCVTNE2PS2BF16
+// rounds to nearest even like store_value. NaN codes (0x7f, 0xff: 2 code = 0xfe in 8 bits)
+// store the canonical NaN. Other scales (garbage bytes, tiny scales) take fp8_decode_avx512.
+template <typename D>
+FSDPN_X512 void fp8_decode_x512(const uint8_t* c, int64_t n, float scale, void* dst) {
+  if (!(std::fabs(scale) >= 0x1p-117f && std::fabs(scale) <= 0x1p100f)) {
+    fp8_decode_avx512<D>(c, n, scale, dst);
+    return;
+  }
+  D* d = static_cast<D*>(dst);
+  const __m512 sc = _mm512_set1_ps(scale * 256.0f);
+  const __m512i bits = _mm512_set1_epi16(static_cast<short>(0xbf80));  // sign, exponent and mantissa of e4m3 in fp16
+  const __m256i nan_code = _mm256_set1_epi8(static_cast<char>(0xfe));
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i));
+    const __mmask32 nan = _mm256_cmpeq_epi8_mask(_mm256_add_epi8(b, b), nan_code);
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), bits);
+    const __m512 v0 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sc);
+    const __m512 v1 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sc);
+    if constexpr (std::is_same<D, float>::value) {
+      const __m512 q = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(kNaNBits)));
+      _mm512_storeu_ps(d + i, _mm512_mask_mov_ps(v0, static_cast<__mmask16>(nan), q));
+      _mm512_storeu_ps(d + i + 16, _mm512_mask_mov_ps(v1, static_cast<__mmask16>(nan >> 16), q));
+    } else {
+      const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0));
+      _mm512_storeu_si512(d + i, _mm512_mask_mov_epi16(r, nan, _mm512_set1_epi16(0x7fc0)));
+    }
+  }
+  if (i < n) fp8_decode_avx512<D>(c + i, n - i, scale, d + i);
+}
+
+// NF4 decode, 32 elements (16 bytes) at a time: VPMULTISHIFTQB puts the high nibble of byte m
+// in the low bits of lane 2m and the low nibble in lane 2m + 1 (of 8 bytes broadcast to every
+// quadword), VPERMPS looks the values up. Fast path where every product is 0 or normal and
+// finite: |scale| in [2^-122, max float] (the smallest nonzero |value| is 0.0796 > 2^-4).
+template <typename D>
+FSDPN_X512 void nf4_decode_x512(const uint8_t* codes, const uint8_t* scales, int64_t lo, int64_t hi,
+                                int64_t block, void* dst) {
+  alignas(64) float t[16];
+  for (uint32_t k = 0; k < 16; ++k) t[k] = nf4_value(k);
+  const __m512 table = _mm512_load_ps(t);
+  const __m512i ctrl = _mm512_set_epi64(int64_t{56} << 32 | 60, int64_t{48} << 32 | 52, int64_t{40} << 32 | 44,
+                                        int64_t{32} << 32 | 36, int64_t{24} << 32 | 28, int64_t{16} << 32 | 20,
+                                        int64_t{8} << 32 | 12, int64_t{0} << 32 | 4);
+  D* out = static_cast<D*>(dst);
+  for (int64_t b0 = lo; b0 < hi; b0 += block) {
+    float s;
+    std::memcpy(&s, scales + 4 * (b0 / block), 4);
+    const int64_t end = std::min(hi, b0 + block);
+    D* d = out + (b0 - lo);
+    if (!(std::fabs(s) >= 0x1p-122f && std::fabs(s) <= 3.4028234663852886e38f)) {
+      nf4_decode_avx512(codes, scales, b0, end, block, d);
+      continue;
+    }
+    const __m512 scale = _mm512_set1_ps(s);
+    const uint8_t* c = codes + b0 / 2;
+    const int64_t n = end - b0;
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+      int64_t q0, q1;
+      std::memcpy(&q0, c + k / 2, 8);
+      std::memcpy(&q1, c + k / 2 + 8, 8);
+      const __m512 v0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(q0)), table), scale);
+      const __m512 v1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(q1)), table), scale);
+      if constexpr (std::is_same<D, float>::value) {
+        _mm512_storeu_ps(d + k, v0);
+        _mm512_storeu_ps(d + k + 16, v1);
+      } else {
+        _mm512_storeu_si512(d + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0)));
+      }
+    }
+    for (; k < n; ++k) {
+      const uint32_t byte = c[k / 2];
+      d[k] = store_value<D>(nf4_value((k & 1) ? (byte & 15u) : (byte >> 4)) * s);
+    }
+  }
+}
 #endif
 
 // --- one multiversioned entry point per dtype ----------------------------------------------------
@@ -568,9 +650,11 @@ DstFns dst_fns(at::ScalarType t) {
   switch (t) {
 #if FSDPN_QUANT_X86
     case at::kFloat:
+      if (have_avx512x()) return {fp8_decode_x512<float>, nf4_decode_x512<float>};
       if (have_avx512()) return {fp8_decode_avx512<float>, nf4_decode_avx512_float};
       return {fp8_decode_float, nf4_decode_float};
     case at::kBFloat16:
+      if (have_avx512x()) return {fp8_decode_x512<bf16_t>, nf4_decode_x512<bf16_t>};
       if (have_avx512()) return {fp8_decode_avx512<bf16_t>, nf4_decode_avx512_bf16};
       return {fp8_decode_bf16_t, nf4_decode_bf16_t};
 #else
