@@ -69,7 +69,7 @@ def describe(root: nn.Module, units: list) -> dict:
     out = []
     for u in units:
         params = []
-        for owner, shape, dtype, rg in zip(u.owners, u.shapes, u.orig_dtypes, u.requires_grad):
+        for owner, shape, dtype, rg in zip(u.owners, u.layout.shapes, u.layout.orig_dtypes, u.layout.requires_grad):
             mod, attr = owner[0]
             prefix = paths.get(id(mod), "?")
             params.append((f"{prefix}.{attr}" if prefix else attr, tuple(shape), str(dtype).replace("torch.", ""), rg))

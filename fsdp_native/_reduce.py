@@ -45,7 +45,7 @@ class Entry:
         """Reduce-scatter elements per rank: only the parameters with a gradient are packed,
         as torch FSDP2 does (a frozen parameter's zeros would be communicated for nothing, and
         a larger buffer is summed in another order by gloo's ring at world size > 2)."""
-        return sum(p for p, h in zip(self.unit.padded, self.has_grad) if h)
+        return sum(p for p, h in zip(self.unit.layout.padded, self.has_grad) if h)
 
 
 class Bucket:
@@ -67,7 +67,7 @@ class Bucket:
         pre, _, rs_op, _ = first._divide_factors()
         padded, grads = [], []
         for e in self.entries:
-            padded += [p for p, h in zip(e.unit.padded, e.has_grad) if h]
+            padded += [p for p, h in zip(e.unit.layout.padded, e.has_grad) if h]
             grads += [g for g, h in zip(e.grads, e.has_grad) if h]
             e.grads = None
         total = sum(e.total for e in self.entries)
@@ -156,7 +156,7 @@ class Reducer:
         b = self.open
         b.entries.append(Entry(unit, grads, has_grad))
         unit.pending_rs = b
-        b.nbytes += unit.reduce_total * unit.world_size * unit.reduce_dtype.itemsize
+        b.nbytes += unit.layout.reduce_total * unit.world_size * unit.reduce_dtype.itemsize
         if b.nbytes >= self.bucket_bytes:
             self.flush()
 

@@ -36,7 +36,7 @@ def unsharded_stats(module: nn.Module) -> UnshardedStats:
     """Reports the unsharded bytes of every fsdp_native unit under ``module``."""
     units = _units_below(module)
     per = {
-        u.fqn: UnitStats(u.acct.current, u.acct.peak, u.unsharded_numel * u.param_dtype.itemsize) for u in units
+        u.fqn: UnitStats(u.acct.current, u.acct.peak, u.layout.unsharded_numel * u.layout.param_dtype.itemsize) for u in units
     }
     totals = {id(u.total_acct): u.total_acct for u in units if u.total_acct is not None}
     current = sum(u.acct.current for u in units)

@@ -148,7 +148,7 @@ def _check_counts(**kw) -> None:
         with fsdp_native.record_trace() as rec:
             model(x).sum().backward()
         unit = model.norm._unit
-        gathered = unit.total_padded * unit.world_size * 4
+        gathered = unit.layout.total_padded * unit.world_size * 4
         per_unit = rec.bytes_summary()[0]["norm"]
         passes = 2 if cfg.reshard is True else 1  # forward, and backward after resharding
         assert per_unit["all_gather"] == gathered * passes, f"the [norm, output] unit must be gathered {passes}x: {per_unit}"

@@ -1,0 +1,277 @@
+"""All-gather codecs: how a unit's shards become this rank's all-gather input, and how the
+gathered buffer becomes the unsharded parameters. One is chosen per unit at ``fully_shard``
+(:func:`choose`); the unit keeps the streams, the accounting and the collective call.
+
+* :class:`PlainCodec`: the padded shards in the unsharded dtype (cast on copy-in when needed;
+  the flat shard itself when not), the fast path;
+* :class:`ExtensionCodec`: torch's tensor-subclass protocol (``fsdp_pre_all_gather`` /
+  ``fsdp_post_all_gather``, see _extension.py), everything packed as bytes;
+* :class:`Fp8Codec`, :class:`Nf4Codec`: fsdp_native's quantized all-gather (quant.py): codes
+  and scales of the quantized parameters, then the other parameters' padded shards.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fsdp_native import _extension, ops
+from fsdp_native._api import QuantizedAllGather
+from fsdp_native._layout import Layout
+
+
+class Codec:
+    """The interface.
+
+    Attributes:
+        dtype: element dtype of the all-gather buffer.
+        chunk: elements per rank of the all-gather; 0 when the unit gathers nothing.
+        trace_args: extra arguments of the trace's all-gather span (the quantized format).
+        in_place: the flat shard is the gathered data (one rank, no cast): no buffer, no
+            collective.
+        trace_copy_in: whether the unit records the copy-in as its own trace span.
+    """
+
+    dtype: torch.dtype
+    chunk: int
+    trace_args: dict = {}
+    in_place = False
+    trace_copy_in = True
+
+    def prepare(self, unit) -> int:
+        """Called before each all-gather; returns its elements per rank."""
+        return self.chunk
+
+    def copy_in(self, unit, out: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Fills this rank's all-gather input (in `out`, or the flat shard) and returns it."""
+        raise NotImplementedError
+
+    def copy_out(self, unit, out: torch.Tensor) -> int:
+        """Fills the unsharded parameters from the gathered `out`; returns the bytes it
+        allocated beyond the unit's unsharded buffer."""
+        raise NotImplementedError
+
+    def free(self) -> int:
+        """Frees what copy_out allocated; returns the bytes freed."""
+        return 0
+
+
+class PlainCodec(Codec):
+    def __init__(self, layout: Layout, staged: bool) -> None:
+        self.layout = layout
+        self.dtype = layout.param_dtype
+        self.chunk = layout.total_padded
+        self.staged = staged  # the shards live on CPU and are copied to the device first
+        # The flat shard's padding is kept zero: with no cast it is the input as is.
+        self.flat_is_input = not layout.needs_cast and not staged
+        self.in_place = self.flat_is_input and layout.world_size == 1
+
+    def copy_in(self, unit, out: torch.Tensor, chunk: int) -> torch.Tensor:
+        if self.flat_is_input:
+            return unit.sharded_flat
+        layout = self.layout
+        inp = out.narrow(0, layout.rank * chunk, chunk)
+        if self.staged:
+            staged = unit.sharded_flat.to(unit.device, non_blocking=True)
+            if layout.needs_cast:
+                ops.all_gather_copy_in(layout.shard_views(staged), layout.padded, inp)
+            else:
+                ops.all_gather_copy_in([staged], [chunk], inp)
+        else:
+            ops.all_gather_copy_in(unit.shard_views, layout.padded, inp)
+        return inp
+
+    def copy_out(self, unit, out: torch.Tensor) -> int:
+        ops.all_gather_copy_out(out, self.layout.ag_padded, self.layout.world_size, unit._unsharded_plain)
+        return 0
+
+
+class ExtensionCodec(Codec):
+    """One all-gather of bytes: every subclass parameter's inner tensors and every plain
+    parameter's padded shard in its unsharded dtype. The sizes are known only once
+    ``fsdp_pre_all_gather`` has run, at each all-gather."""
+
+    dtype = torch.uint8
+    trace_copy_in = False  # the copy-in is inside the all-gather span
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.chunk = layout.total_padded  # nonzero when there is anything to gather
+        self.states = [_extension.ExtState() if e else None for e in layout.ext]
+        self.segments: list[int] = []
+        self._inputs: list[torch.Tensor] | None = None
+
+    def prepare(self, unit) -> int:
+        layout, info = self.layout, unit.info
+        mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[-1]]
+        inputs = []
+        for i, local in enumerate(unit.shard_views):
+            if layout.ext[i]:
+                mod = unit.owners[i][0][0]
+                inners, meta = _extension.pre_all_gather(local, mesh, layout.shapes[i], mod, unit.mp)
+                state = self.states[i]
+                state.sizes, state.meta = [t.shape for t in inners], meta
+                state.ensure_outputs(inners, layout.world_size)  # made (or checked) now, allocated at the copy-out
+                inputs += inners
+            else:
+                padded = torch.zeros(layout.padded[i], dtype=layout.param_dtypes[i], device=unit.device)
+                padded[: local.numel()].copy_(local.reshape(-1))
+                inputs.append(padded)
+        self.segments = [t.numel() * t.element_size() for t in inputs]
+        self._inputs = inputs
+        return sum(self.segments)
+
+    def copy_in(self, unit, out: torch.Tensor, chunk: int) -> torch.Tensor:
+        inputs, self._inputs = self._inputs, None
+        inp = out.narrow(0, self.layout.rank * chunk, chunk)
+        ops.all_gather_copy_in([t.reshape(-1).view(torch.uint8) for t in inputs], self.segments, inp)
+        return inp
+
+    def copy_out(self, unit, out: torch.Tensor) -> int:
+        """Copies the gathered bytes into the plain parameters and into each subclass
+        parameter's persistent outputs, then runs its fsdp_post_all_gather."""
+        layout = self.layout
+        outs, allocated = [], 0
+        for i, view in enumerate(unit._unsharded_plain):
+            if layout.ext[i]:
+                state = self.states[i]
+                allocated += state.alloc()
+                outs += [o.view(torch.uint8) for o in state.outputs]
+            else:
+                outs.append(view)
+        ops.all_gather_copy_out(out, self.segments, layout.world_size, outs)
+        for i, local in enumerate(unit.shard_views):
+            if layout.ext[i]:
+                unit.unsharded_params[i] = _extension.post_all_gather(
+                    local, self.states[i], layout.param_dtypes[i], unit.unsharded_params[i], layout.requires_grad[i]
+                )
+        return allocated
+
+    def free(self) -> int:
+        return sum(st.free() for st in self.states if st is not None)
+
+
+class QuantCodec(Codec):
+    """fsdp_native's quantized all-gather. One rank's chunk, in bytes:
+    ``[quantized codes and scales (quant.unit_layout)][the other parameters' padded shards in
+    the unsharded dtype]``; the copy-in is one quantize kernel for the unit."""
+
+    dtype = torch.uint8
+
+    def __init__(self, layout: Layout, policy: QuantizedAllGather, q: list[int], device: torch.device) -> None:
+        from fsdp_native import quant
+
+        self.layout, self.policy = layout, policy
+        self.trace_args = {"format": policy.format}
+        self.q = q
+        self.plain = [i for i in range(len(layout.shapes)) if i not in q]
+        self.rows = [math.prod(layout.shapes[i][1:]) for i in q]
+        self.q_padded = [layout.padded[i] for i in q]
+        itemsize = layout.param_dtype.itemsize
+        self.q_bytes = quant.unit_layout(self.q_padded, self.rows, policy.format, block_size=policy.block_size).rank_nbytes
+        self.chunk = self.q_bytes + sum(layout.padded[i] for i in self.plain) * itemsize
+        self.plain_padded = [self.q_bytes // itemsize] + [layout.padded[i] for i in self.plain]
+        self.empty = torch.empty(0, dtype=layout.param_dtype, device=device)
+
+    @staticmethod
+    def quantizes(layout: Layout, i: int, policy: QuantizedAllGather) -> bool:
+        """Whether parameter `i` is quantized; the others travel unquantized."""
+        return len(layout.shapes[i]) >= 2 and layout.numels[i] >= policy.min_numel
+
+    def copy_in(self, unit, out: torch.Tensor, chunk: int) -> torch.Tensor:
+        from fsdp_native import quant
+
+        inp = out.narrow(0, self.layout.rank * chunk, chunk)
+        if self.plain:  # zeroes the quantized region first (an empty source), then the shards
+            views = [self.empty] + [unit.shard_views[i] for i in self.plain]
+            ops.all_gather_copy_in(views, self.plain_padded, inp.view(self.layout.param_dtype))
+        quant.quantize_copy_in(
+            [unit.shard_views[i] for i in self.q],
+            self.q_padded,
+            self.rows,
+            inp.narrow(0, 0, self.q_bytes),
+            format=self.policy.format,
+            block_size=self.policy.block_size,
+        )
+        return inp
+
+    def copy_out(self, unit, out: torch.Tensor) -> int:
+        from fsdp_native import quant
+
+        ws = self.layout.world_size
+        gathered = out.view(ws, self.chunk)[:, : self.q_bytes]
+        outs = unit._unsharded_plain
+        quant.dequantize_copy_out(
+            gathered, self.q_padded, self.rows, ws, [outs[i] for i in self.q], format=self.policy.format, block_size=self.policy.block_size
+        )
+        if self.plain:
+            ops.all_gather_copy_out(out.view(self.layout.param_dtype), self.plain_padded, ws, [self.empty] + [outs[i] for i in self.plain])
+        return 0
+
+
+class Fp8Codec(QuantCodec):
+    """``fp8_rowwise`` and ``fp8_tensorwise``."""
+
+
+class Nf4Codec(QuantCodec):
+    """``nf4``: frozen parameters only (NF4 has no gradient path)."""
+
+    @staticmethod
+    def quantizes(layout: Layout, i: int, policy: QuantizedAllGather) -> bool:
+        return QuantCodec.quantizes(layout, i, policy) and not layout.requires_grad[i]
+
+
+def choose(
+    layout: Layout, all_gather: QuantizedAllGather | None, *, offload: bool, post_forward: bool, staged: bool, device: torch.device
+) -> Codec:
+    """The unit's codec: the extension protocol when it has subclass parameters, a quantized
+    codec when `all_gather` asks for one and some parameter qualifies, else the plain one.
+    Raises for what a codec does not support."""
+    if all_gather is not None:
+        codec = _quant_codec(layout, all_gather, offload, post_forward, device)
+        if codec is not None:
+            return codec
+    if layout.has_ext:
+        return ExtensionCodec(layout)
+    return PlainCodec(layout, staged)
+
+
+def _quant_codec(layout: Layout, policy: QuantizedAllGather, offload: bool, post_forward: bool, device: torch.device) -> QuantCodec | None:
+    from fsdp_native import quant
+
+    where = f"fully_shard: argument 'all_gather' ({policy.format})"
+    if layout.has_ext:
+        raise NotImplementedError(f"{where} cannot be combined with tensor-subclass parameters (torch's all-gather extensions)")
+    if offload or post_forward:
+        raise NotImplementedError(f"{where} is not supported with CPU offload or an int reshard_after_forward")
+    if layout.gather_bytes:
+        raise NotImplementedError(
+            f"{where} needs one unsharded dtype per unit, got {sorted({str(d) for d in layout.param_dtypes})}; set "
+            "mp_policy.param_dtype"
+        )
+    cls = Nf4Codec if policy.format == quant.NF4 else Fp8Codec
+    q = [i for i in range(len(layout.shapes)) if cls.quantizes(layout, i, policy)]
+    return cls(layout, policy, q, device) if q else None
+
+
+def check_extension_params(params, owners, ext, world_size: int, offload, post_forward) -> None:
+    """What fsdp_native supports of torch's all-gather extension protocol, checked at
+    fully_shard: dim 0 divisible by the shard world size (each rank's inner tensors must have
+    equal sizes), no CPU offload, no int reshard_after_forward."""
+    for p, owner, e in zip(params, owners, ext):
+        if not e:
+            continue
+        mod, name = owner[0]
+        where = f"parameter '{name}' of {type(mod).__name__} ({type(p).__name__})"
+        if p.dim() == 0 or p.shape[0] % world_size:
+            raise ValueError(
+                f"fully_shard: {where} has shape {tuple(p.shape)}; a tensor-subclass parameter with "
+                f"fsdp_pre_all_gather needs dim 0 divisible by the shard world size {world_size}"
+            )
+        if offload is not None:
+            raise NotImplementedError(f"fully_shard: {where} uses the all-gather extension protocol, which fsdp_native does not support with CPU offload")
+        if post_forward is not None:
+            raise NotImplementedError(
+                f"fully_shard: {where} uses the all-gather extension protocol, which fsdp_native does not support with "
+                "an int reshard_after_forward"
+            )

@@ -1,0 +1,105 @@
+"""The flat layout of one unit: per-parameter shapes, padding and dtypes, fixed at
+``fully_shard``, and the views of the unit's flat buffers built from them.
+
+The sharded parameters are views into one flat buffer of ``sum(shard_units)`` elements (each
+parameter's rank-local dim-0 shard, zero padded to its padded shard size), typed, or bytes
+when the original dtypes differ. The unsharded parameters are views into one flat buffer of
+``unsharded_numel`` elements of ``param_dtype`` (bytes when the unsharded dtypes differ, or
+when tensor-subclass parameters gather their own tensors). Parameters are ordered by element
+size, largest first (:func:`itemsize_order`), so every region of a byte buffer starts aligned
+for its dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from fsdp_native import _extension, ops
+
+
+def itemsize_order(params: list[nn.Parameter]) -> list[int] | None:
+    """The parameter order of a unit with several dtypes (largest element first, stable);
+    None when they share one dtype and keep their order."""
+    if len({p.dtype for p in params}) <= 1:
+        return None
+    return sorted(range(len(params)), key=lambda i: -params[i].dtype.itemsize)
+
+
+class Layout:
+    """Per-parameter facts of one unit (parameters in unit order).
+
+    Attributes:
+        world_size, rank: the shard group's size and this rank in it.
+        shapes, numels, padded: global shapes, element counts, padded shard sizes.
+        orig_dtypes, param_dtypes: sharded and unsharded (compute) dtypes.
+        requires_grad: whether each parameter takes gradients.
+        ext, has_ext: which parameters use torch's all-gather extension protocol.
+        orig_dtype, shard_units: the sharded flat buffer's dtype (uint8 when mixed) and each
+            parameter's length in it.
+        gather_bytes, param_dtype: whether the plain all-gather and the unsharded buffer are
+            bytes, else their one dtype.
+        ag_padded, total_padded: each parameter's length in a rank's plain all-gather chunk,
+            and the chunk's length.
+        reduce_total: reduce-scatter elements per rank.
+        unsharded_numel: length of the unsharded flat buffer.
+        needs_cast: whether the plain all-gather casts the shards.
+    """
+
+    def __init__(self, params: list[nn.Parameter], world_size: int, rank: int, param_dtype: torch.dtype | None) -> None:
+        ws = world_size
+        self.world_size, self.rank = ws, rank
+        self.ext = [_extension.has_extension(p) for p in params]
+        self.has_ext = any(self.ext)
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.padded = [ops.padded_shard_numel(s, ws) for s in self.shapes]
+        self.total_numel = sum(self.numels)
+        self.orig_dtypes = [p.dtype for p in params]
+        self.param_dtypes = [param_dtype or d for d in self.orig_dtypes]
+        self.requires_grad = [p.requires_grad for p in params]
+        mixed = len(set(self.orig_dtypes)) > 1 or self.has_ext
+        self.orig_dtype = torch.uint8 if mixed else (self.orig_dtypes[0] if params else torch.float32)
+        self.shard_units = [0 if e else n * d.itemsize for n, d, e in zip(self.padded, self.orig_dtypes, self.ext)] if mixed else self.padded
+        self.gather_bytes = len(set(self.param_dtypes)) > 1 or self.has_ext
+        self.param_dtype = torch.uint8 if self.gather_bytes else (self.param_dtypes[0] if params else self.orig_dtype)
+        self.ag_padded = [n * d.itemsize for n, d in zip(self.padded, self.param_dtypes)] if self.gather_bytes else self.padded
+        self.total_padded = sum(self.ag_padded)
+        self.reduce_total = sum(self.padded)
+        self.unsharded_numel = (
+            sum(0 if e else n * d.itemsize for n, d, e in zip(self.numels, self.param_dtypes, self.ext))
+            if self.gather_bytes
+            else self.total_numel
+        )
+        self.needs_cast = self.param_dtypes != self.orig_dtypes
+
+    def local_rows(self, shape: torch.Size) -> int:
+        rows = -(-shape[0] // self.world_size)
+        return max(0, min(rows, shape[0] - self.rank * rows))
+
+    def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's shard of every parameter, as views into a flat padded buffer (typed
+        views into a byte buffer when the dtypes differ)."""
+        views, offset = [], 0
+        by_bytes = flat.dtype == torch.uint8 and self.orig_dtype == torch.uint8
+        for shape, units, dtype in zip(self.shapes, self.shard_units, self.orig_dtypes):
+            n = self.local_rows(shape) * math.prod(shape[1:])
+            if by_bytes:
+                views.append(flat[offset : offset + n * dtype.itemsize].view(dtype).view((-1, *shape[1:])))
+            else:
+                views.append(flat[offset : offset + n].view((-1, *shape[1:])))
+            offset += units
+        return views
+
+    def unsharded_views(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """(flat views the copy-out writes, bytes when the all-gather moves bytes; typed views
+        of the parameters' shapes, None for a subclass parameter, whose unsharded tensor comes
+        from its fsdp_post_all_gather)."""
+        plain, typed, offset = [], [], 0
+        for shape, numel, dtype, ext in zip(self.shapes, self.numels, self.param_dtypes, self.ext):
+            n = 0 if ext else numel * dtype.itemsize if self.gather_bytes else numel
+            plain.append(flat[offset : offset + n])
+            typed.append(None if ext else (plain[-1].view(dtype) if self.gather_bytes else plain[-1]).view(shape))
+            offset += n
+        return plain, typed
