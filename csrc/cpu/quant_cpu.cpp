@@ -498,6 +498,137 @@ FSDPN_X512 void fp8_rows_x512(const void* src, int64_t row, int64_t rows, uint8_
   }
 }
 
+
+// NF4 encode. Bucket of v: the low 5 bits of fma(v, 15.4, 1.5 * 2^23 + 16), i.e. round(15.4 v)
+// + 16, in 1 .. 31 for |v| <= 1 + 2^-20 (v = x / amax of the block) and 0 for NaN. The bucket is
+// a monotone function of v and no two midpoints (at least 0.08 apart) share one, so the code
+// (the number of midpoints below v) is the number in lower buckets plus (v > the bucket's
+// midpoint, if any). The tables are built with the same fma on the midpoints.
+constexpr float kNf4BucketMul = 15.4f, kNf4BucketAdd = 12582928.0f;  // 1.5 * 2^23 + 16
+struct Nf4Buckets {
+  alignas(64) float mid[32];      // the bucket's midpoint, or NaN (no compare is true)
+  alignas(64) int32_t count[32];  // midpoints in lower buckets
+  alignas(64) int32_t count16[32];
+  bool ok;                        // every bucket holds at most one midpoint
+};
+const Nf4Buckets& nf4_buckets() {
+  static const Nf4Buckets t = [] {
+    Nf4Buckets b{};
+    constexpr float m[15] = {-0x1.b239bp-1f, -0x1.38a4ep-1f, -0x1.d709p-2f, -0x1.5bd4ecp-2f, -0x1.e079d8p-3f,
+                             -0x1.1a7178p-3f, -0x1.74f0e2p-5f, 0x1.45f5fep-5f, 0x1.ec90c4p-4f, 0x1.a0cfcp-3f,
+                             0x1.2b05a8p-2f, 0x1.8ea7f2p-2f, 0x1.00da08p-1f, 0x1.491b5ep-1f, 0x1.b913b4p-1f};
+    for (int i = 0; i < 32; ++i) b.mid[i] = bits_float(kNaNBits);
+    int bucket[15];
+    b.ok = true;
+    for (int k = 0; k < 15; ++k) {
+      bucket[k] = static_cast<int>(float_bits(std::fma(m[k], kNf4BucketMul, kNf4BucketAdd)) & 31u);
+      if (b.mid[bucket[k]] == b.mid[bucket[k]] || bucket[k] == 0) b.ok = false;  // shared, or NaN's bucket
+      b.mid[bucket[k]] = m[k];
+    }
+    for (int i = 0; i < 32; ++i) {
+      for (int k = 0; k < 15; ++k) b.count[i] += bucket[k] < i;
+      b.count16[i] = 16 * b.count[i];
+    }
+    return b;
+  }();
+  return t;
+}
+
+// Codes of 16 values v (times `unit`: 1 or 16) in each lane.
+FSDPN_X512 FSDPN_INLINE __m512i nf4_codes16x(__m512 v, const __m512* mid, __m512i count_lo, __m512i count_hi, __m512i unit) {
+  const __m512i b = _mm512_castps_si512(_mm512_fmadd_ps(v, _mm512_set1_ps(kNf4BucketMul), _mm512_set1_ps(kNf4BucketAdd)));
+  const __m512i c = _mm512_permutex2var_epi32(count_lo, b, count_hi);
+  return _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(v, _mm512_permutex2var_ps(mid[0], b, mid[1]), _CMP_GT_OQ), c, unit);
+}
+
+struct Nf4Regs {
+  __m512 mid[2];
+  __m512i c_lo, c_hi, c16_lo, c16_hi;
+};
+FSDPN_X512 FSDPN_INLINE Nf4Regs nf4_regs(const Nf4Buckets& t) {
+  return {{_mm512_load_ps(t.mid), _mm512_load_ps(t.mid + 16)},
+          _mm512_load_si512(t.count), _mm512_load_si512(t.count + 16),
+          _mm512_load_si512(t.count16), _mm512_load_si512(t.count16 + 16)};
+}
+
+// 16 bytes of codes (in the low byte of each lane) of elements [0, 32) of x: lane k holds
+// elements 2 k (high nibble) and 2 k + 1.
+template <typename S>
+FSDPN_X512 FSDPN_INLINE __m512i nf4_group32(const S* x, __m512 inv, const Nf4Regs& t) {
+  __m512 xe, xo;
+  if constexpr (std::is_same<S, bf16_t>::value) {
+    const __m512i a = _mm512_loadu_si512(x);
+    xe = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+    xo = _mm512_castsi512_ps(_mm512_and_si512(a, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  } else {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    xe = _mm512_permutex2var_ps(a, even, b);
+    xo = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+  }
+  return _mm512_add_epi32(nf4_codes16x(_mm512_mul_ps(xe, inv), t.mid, t.c16_lo, t.c16_hi, _mm512_set1_epi32(16)),
+                          nf4_codes16x(_mm512_mul_ps(xo, inv), t.mid, t.c_lo, t.c_hi, _mm512_set1_epi32(1)));
+}
+
+FSDPN_X512 FSDPN_INLINE uint32_t hmax_epu16(__m512i m) {
+  const __m256i m2 = _mm256_max_epu16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1));
+  const __m128i m4 = _mm_max_epu16(_mm256_castsi256_si128(m2), _mm256_extracti128_si256(m2, 1));
+  return 0xffffu & ~static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(m4, _mm_set1_epi32(-1)))));
+}
+
+// NF4 blocks as nf4_blocks_loop; whole blocks of 32 or more elements here, 32 at a time: the
+// even and odd elements in separate registers, so that one lane holds both codes of a byte.
+template <typename S>
+FSDPN_X512 void nf4_blocks_x512(const void* src, int64_t n, int64_t len, int64_t n_blocks, int64_t block,
+                                uint8_t* codes, uint8_t* scales) {
+  const Nf4Buckets& t = nf4_buckets();
+  if (!t.ok || block < 32) {
+    nf4_blocks_avx512<S>(src, n, len, n_blocks, block, codes, scales);
+    return;
+  }
+  const S* s = static_cast<const S*>(src);
+  const Nf4Regs tb = nf4_regs(t);
+  alignas(64) static constexpr uint8_t kPack[64] = {
+      0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124,
+      0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124};
+  const __m512i pack = _mm512_load_si512(kPack);  // byte 4 k of a (k < 16), then of b
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t lo = b * block;
+    const int64_t valid = std::max<int64_t>(0, std::min(std::min(block, len - lo), n - lo));
+    if (valid != block) {
+      nf4_blocks_loop(s + lo, n - lo, len - lo, 1, block, codes + lo / 2, scales + 4 * b);
+      continue;
+    }
+    const S* x = s + lo;
+    uint8_t* c = codes + lo / 2;
+    uint32_t amax;
+    if constexpr (std::is_same<S, bf16_t>::value) {
+      __m512i m = _mm512_setzero_si512();
+      for (int64_t k = 0; k < block; k += 32) m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(x + k), _mm512_set1_epi16(0x7fff)));
+      amax = hmax_epu16(m) << 16;
+    } else {
+      __m512i m = _mm512_setzero_si512();
+      for (int64_t k = 0; k < block; k += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(x + k), _mm512_set1_epi32(0x7fffffff)));
+      amax = _mm512_reduce_max_epu32(m);
+    }
+    const float scale = nf4_scale(amax);
+    std::memcpy(scales + 4 * b, &scale, 4);
+    if (scale != scale) {  // a NaN or an infinity in the block: every v is NaN, code 0
+      std::memset(c, 0, static_cast<size_t>(block / 2));
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / scale);
+    if (block == 32) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8(nf4_group32(x, inv, tb)));
+      continue;
+    }
+    for (int64_t k = 0; k < block; k += 64) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + k / 2),
+                          _mm512_castsi512_si256(_mm512_permutex2var_epi8(nf4_group32(x + k, inv, tb), pack, nf4_group32(x + k + 32, inv, tb))));
+    }
+  }
+}
+
 // fp8 decode. Fast path where every product code * scale is 0 or a normal float: scale in
 // [2^-117, 2^100] (the smallest nonzero code is 2^-9, the largest 448; 256 scale is exact).
 // There code * scale = fp16(code's bits) * (256 scale) with one rounding, and VCVTNE2PS2BF16
@@ -632,11 +763,11 @@ SrcFns src_fns(at::ScalarType t) {
   switch (t) {
 #if FSDPN_QUANT_X86
     case at::kFloat:
-      if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_avx512<float>, fp8_rows_x512<float>};
+      if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_x512<float>, fp8_rows_x512<float>};
       if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
       return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
-      if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_avx512<bf16_t>, fp8_rows_x512<bf16_t>};
+      if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_x512<bf16_t>, fp8_rows_x512<bf16_t>};
       if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
       return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
