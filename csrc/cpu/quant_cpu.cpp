@@ -16,6 +16,11 @@
 #include "../quant.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+// GCC 12's AVX-512 headers warn on their own _mm512_undefined_* temporaries (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
 #define FSDPN_QUANT_X86 1
 #else
