@@ -21,7 +21,7 @@ from fsdp_native._layout import Layout
 
 
 class Codec:
-    """The interface.
+    """What a unit asks of its all-gather codec.
 
     Attributes:
         dtype: element dtype of the all-gather buffer.
