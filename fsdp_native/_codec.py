@@ -29,6 +29,9 @@ class Codec:
         trace_args: extra arguments of the trace's all-gather span (the quantized format).
         in_place: the flat shard is the gathered data (one rank, no cast): no buffer, no
             collective.
+        deferred: one rank with a cast: nothing is gathered, and the copy-out casts the shards
+            straight into the unsharded parameters when the unit is waited on (as torch FSDP2
+            at world size 1), so a prefetched unit holds no buffer before it is used.
         trace_copy_in: whether the unit records the copy-in as its own trace span.
     """
 
@@ -36,6 +39,7 @@ class Codec:
     chunk: int
     trace_args: dict = {}
     in_place = False
+    deferred = False
     trace_copy_in = True
 
     def prepare(self, unit) -> int:
@@ -57,7 +61,7 @@ class Codec:
 
 
 class PlainCodec(Codec):
-    def __init__(self, layout: Layout, staged: bool) -> None:
+    def __init__(self, layout: Layout, staged: bool, post_forward: bool = False) -> None:
         self.layout = layout
         self.dtype = layout.param_dtype
         self.chunk = layout.total_padded
@@ -65,6 +69,11 @@ class PlainCodec(Codec):
         # The flat shard's padding is kept zero: with no cast it is the input as is.
         self.flat_is_input = not layout.needs_cast and not staged
         self.in_place = self.flat_is_input and layout.world_size == 1
+        # At one rank the padded segments are the parameters' own sizes, so the casting
+        # copy-in writes the unsharded buffer's layout (one typed buffer, not bytes).
+        self.deferred = (
+            layout.world_size == 1 and layout.needs_cast and not staged and not post_forward and not layout.gather_bytes
+        )
 
     def copy_in(self, unit, out: torch.Tensor, chunk: int) -> torch.Tensor:
         if self.flat_is_input:
@@ -81,7 +90,10 @@ class PlainCodec(Codec):
             ops.all_gather_copy_in(unit.shard_views, layout.padded, inp)
         return inp
 
-    def copy_out(self, unit, out: torch.Tensor) -> int:
+    def copy_out(self, unit, out: torch.Tensor | None) -> int:
+        if out is None:  # deferred: cast the shards into the unsharded buffer
+            ops.all_gather_copy_in(unit.shard_views, self.layout.padded, unit.unsharded_flat)
+            return 0
         ops.all_gather_copy_out(out, self.layout.ag_padded, self.layout.world_size, unit._unsharded_plain)
         return 0
 
@@ -233,7 +245,7 @@ def choose(
             return codec
     if layout.has_ext:
         return ExtensionCodec(layout)
-    return PlainCodec(layout, staged)
+    return PlainCodec(layout, staged, post_forward)
 
 
 def _quant_codec(layout: Layout, policy: QuantizedAllGather, offload: bool, post_forward: bool, device: torch.device) -> QuantCodec | None:

@@ -338,6 +338,13 @@ class Unit:
                 rec.collective("all_gather", "all_gather", self.fqn, None, t0, chunk * self.sharded_flat.element_size())
             self.pending_ag = PendingAllGather(None, self.sharded_flat)
             return
+        if codec.deferred:
+            # One rank with a cast: the copy-out casts at the wait (torch FSDP2 too); an
+            # all-gather buffer filled now held one unit more than torch in the backward.
+            if rec is not None:
+                rec.collective("all_gather", "all_gather", self.fqn, None, t0, chunk * codec.dtype.itemsize)
+            self.pending_ag = PendingAllGather(None, None)
+            return
         st = self.streams
         st.wait(self.sharded_flat, st.all_gather, st.compute)  # the optimizer wrote the shards on compute
         with st.use(st.all_gather):
@@ -369,7 +376,8 @@ class Unit:
             if rec is not None:
                 rec.waited(work)
                 rec.span("wait_all_gather", "stall", self.fqn, t0, _trace.now_us())
-        st.wait(out, st.compute, st.all_gather)
+        if out is not None:
+            st.wait(out, st.compute, st.all_gather)
         self._pf_shard_in_flight = None
         allocated = self._alloc_unsharded()
         t0 = _trace.now_us() if rec is not None else 0.0
@@ -382,13 +390,15 @@ class Unit:
             self._pf_keep = out.narrow(0, index * per, per)
         # The unit counts as its all-gather buffer while in flight, then as its parameters.
         self._account(allocated - self._ag_nbytes(out))
-        st.wait(out, st.all_gather, st.compute)  # `out` came from the all-gather stream: release after the copy-out
+        if out is not None:
+            st.wait(out, st.all_gather, st.compute)  # `out` came from the all-gather stream: release after the copy-out
         del out
         self._to_unsharded()
 
     def _ag_nbytes(self, out: torch.Tensor) -> int:
-        """Bytes of an all-gather buffer (none when the flat shard stood in for it)."""
-        return 0 if out is self.sharded_flat else out.numel() * out.element_size()
+        """Bytes of an all-gather buffer (none when the flat shard stood in for it or the
+        cast was deferred to the copy-out)."""
+        return 0 if out is None or out is self.sharded_flat else out.numel() * out.element_size()
 
     def unshard(self) -> None:
         if self.is_unsharded:

@@ -4,7 +4,7 @@ What a process has allocated is read from glibc (``mallinfo2``: bytes in use in 
 malloc arena plus mmapped chunks), which is where torch's CPU allocator gets its memory, so
 it counts every tensor, whoever holds it. Each configuration trains the same model with
 torch FSDP2 and with the implementation under test in the same process, each measured from
-its own start after ``gc.collect()``, at world size 2, and at world size 1 in fp32:
+its own start after ``gc.collect()``, at world size 2 and at world size 1:
 
 * at the loss (the forward done, the backward not started), where the logits make many
   models peak, and at the start of each block's backward (a hook on the block's output, after a barrier on
@@ -187,10 +187,15 @@ def test_memory_at_most_torch_world_size_2():
 
 
 def _grid_ws1():
-    # fp32 only: with bf16 parameters fsdp_native still holds one block more than torch at
-    # the first block's backward at world size 1 (open in issue 8; world size 2 is at most
-    # torch's in every configuration above).
-    configs = [dict(mp=False, reshard=True, meta=False), dict(mp=False, reshard=False, meta=True)]
+    # World size 1 gathers nothing: with no cast the flat shard is the unsharded data, and with
+    # a cast (bf16) the copy-out casts at the wait, as torch does; filling a buffer when the unit
+    # was prefetched held one block more than torch at the first block's backward.
+    configs = [
+        dict(mp=False, reshard=True, meta=False),
+        dict(mp=False, reshard=False, meta=True),
+        dict(mp=True, reshard=True, meta=False),
+        dict(mp=True, reshard=False, meta=True),
+    ]
     run_grid(configs, _check, name="memory-ws1")
 
 
