@@ -13,7 +13,7 @@ which ranks are behind, instead of blocking silently until the process group's t
   store, not a collective: the process group is what is stuck), asks the other ranks of the
   collective's group for theirs and, after up to ``GRACE_S``, writes the report: every rank's
   position, and the ranks behind. A stopped or hung rank cannot answer; its silence names it.
-  Rank 0 logs the report (another rank does when rank 0 did not answer).
+  The lowest rank of the group that answered logs the report (rank 0 for groups with it).
 * Why a thread and not timed waits in the waiting thread: a timed wait on a gloo
   point-to-point work (fsdp_native's large all-gathers and reduce-scatters) that expires
   closes the connection to the peer ("Application timeout caused pair closure"), so while the
@@ -200,9 +200,9 @@ def _on_stall(seq: int, waited: float, work) -> None:
     s = _S
     me = _describe(seq, waited, work)
     log.warning("fsdp_native: rank %d %s", s.rank, _fmt(me))
-    report, rank0_silent = _gather(me, seq, waited, work)
+    report, lowest = _gather(me, seq, waited, work)
     s.report = (seq, report)
-    if s.rank == 0 or rank0_silent:
+    if lowest:  # one log per group: its lowest answering rank (rank 0 for the world's groups)
         log.warning("%s", report)
 
 
@@ -219,7 +219,9 @@ def _answer(seq: int, waited: float, work) -> None:
 
 
 def _gather(me: dict, seq: int, waited: float, work) -> tuple[str, bool]:
-    """The report of every rank of the waited collective's group; whether rank 0 was silent."""
+    """The report of every rank of the waited collective's group; whether this rank is the
+    lowest one that answered (the one that logs it: rank 0 unless it is silent or outside the
+    group, as for an HSDP replica group)."""
     s = _S
     ranks = me.get("group_ranks") or [s.rank]
     got = {s.rank: me}
@@ -254,7 +256,7 @@ def _gather(me: dict, seq: int, waited: float, work) -> tuple[str, bool]:
             lines.append(f"  behind: rank{'s' if len(behind) > 1 else ''} {behind} (the ranks wait on different collectives)")
         else:
             lines.append("  every rank waits on this collective; none is behind (the transport may be stuck)")
-    return "\n".join(lines), 0 in ranks and 0 not in got
+    return "\n".join(lines), s.rank == min(got)
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,6 +285,17 @@ def _describe(seq: int, waited: float, work) -> dict:
                 d["bytes"] = out.numel() * out.element_size()
             pf = getattr(owner, "post_forward", None)
             group = pf[0] if pf is not None and getattr(owner, "_pf_shard_in_flight", None) is not None else owner.info.shard_group
+            break
+        if name == "take_reduced" and getattr(getattr(owner, "info", None), "replicate_group", None) is not None:
+            d["kind"], d["unit"], d["step"] = "all_reduce", owner.fqn or "root", _step_of(owner)
+            out = loc.get("out")
+            if out is not None:
+                d["bytes"] = out.numel() * out.element_size()
+            group = owner.info.replicate_group
+            break
+        if name == "release_pending" and hasattr(owner, "pending_ag"):
+            d["kind"], d["unit"], d["step"] = "all_gather", owner.fqn or "root", _step_of(owner)
+            group = owner.info.shard_group
             break
         if name == "finish" and hasattr(owner, "entries") and owner.entries:
             units = [e.unit for e in owner.entries]

@@ -436,7 +436,7 @@ class Unit:
             work, out = self.pending_ag
             self.pending_ag = None
             if work is not None:
-                work.wait()
+                self.streams.wait_work(work)
             self._account(-self._ag_nbytes(out))
 
     # -------------------------------------------------------------- gradients
@@ -567,7 +567,9 @@ class Unit:
                 return
             rec = _trace.active
             t0 = _trace.now_us() if rec is not None else 0.0
-            dist.all_reduce(out, op=ar_op, group=self.info.replicate_group)
+            # Waited like the other collectives, so a stalled replica is reported (_stall).
+            work = dist.all_reduce(out, op=ar_op, group=self.info.replicate_group, async_op=True)
+            self.streams.wait_work(work)
             if rec is not None:
                 rec.span("all_reduce", "all_reduce", self.fqn, t0, _trace.now_us(), out.numel() * out.element_size())
         sps = self.sharded_params

@@ -150,6 +150,71 @@ def test_stalled_rank_is_reported(monkeypatch):
     run_distributed(_grid, 2, timeout=200)
 
 
+def check_hsdp() -> None:
+    try:
+        _check_hsdp()
+    finally:
+        dist_utils._reinit_pg(ctx())
+
+
+def _check_hsdp() -> None:
+    """HSDP 2x2 (shard groups [0, 1] and [2, 3], replica groups [0, 2] and [1, 3]): rank 3
+    stops. Rank 1's shard group is whole, so it runs its forward and backward and then waits
+    in the replica all-reduce with rank 3: it reports that all-reduce and names rank 3."""
+    from fsdp_native import _stall
+
+    c = ctx()
+    rank, impl = dist.get_rank(), load_impl()
+    _stall.ACTION = "log"
+    cfg = Cfg(mesh="hsdp")
+    model = build_fsdp(impl, cfg, make_mesh(cfg))
+    batches = make_batches(cfg.model_args, 2, 4)
+    _step(model, batches[0])
+    key = f"stall_test/{c.grid_index}/pid"
+    if rank == 3:
+        c.store.set(key, str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        _step(model, batches[1])
+        return
+    if rank != 1:
+        _step(model, batches[1])  # blocked until rank 3 continues
+        return
+    pid = int(c.store.get(key))
+    _wait_stopped(pid)
+    cap = _Capture()
+    logger = logging.getLogger("fsdp_native")
+    logger.addHandler(cap)
+
+    def release():
+        end = time.monotonic() + REPORT_WITHIN_S
+        while time.monotonic() < end and not any("stall report" in m for m in cap.messages):
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGCONT)
+
+    t = threading.Thread(target=release, daemon=True)
+    try:
+        t.start()
+        _step(model, batches[1])
+        t.join()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        logger.removeHandler(cap)
+    reports = [m for m in cap.messages if "stall report" in m]
+    assert reports, f"no stall report within {REPORT_WITHIN_S} s; logged: {cap.messages}"
+    report = reports[0]
+    assert "rank 1: waited " in report and " on all_reduce of unit '" in report, report
+    assert "rank 3: no answer within 2 s" in report and "behind: rank [3] (not waiting on this collective)" in report, report
+
+
+def _grid_hsdp():
+    run_grid([{}], lambda: check_hsdp(), name="stall-hsdp")
+
+
+def test_stalled_replica_is_reported_in_the_hsdp_all_reduce(monkeypatch):
+    monkeypatch.setenv("FSDP_NATIVE_STALL_S", str(STALL_S))
+    run_distributed(_grid_hsdp, 4, timeout=240)
+
+
 @pytest.mark.parametrize(
     "name,raw,expected",
     [
