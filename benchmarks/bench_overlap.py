@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps")
     p.add_argument("--rounds", type=int, help="measured rounds per configuration (default: from the schedule)")
-    p.add_argument("--models", nargs="+", default=list(MODEL_CONFIGS), choices=list(MODEL_CONFIGS))
+    p.add_argument("--models", nargs="+", default=["overhead", "compute"], choices=list(MODEL_CONFIGS))
     p.add_argument("--prefetch", nargs="+", default=PREFETCH, choices=PREFETCH)
     p.add_argument("--reshard", nargs="+", default=["True", "False"], choices=["True", "False"])
     p.add_argument("--timeline-dir", help="write the timeline PNGs overlap_<impl>.png here")

@@ -58,6 +58,7 @@ ALL_CONFIG_NAMES = [f"{m}-{p}" for m in MODEL_CONFIGS for p in ("fp32", "bf16")]
 SCHEDULE = {
     "overhead": {"full": (5, 40, 2), "quick": (2, 10, 2)},
     "compute": {"full": (2, 16, 1), "quick": (1, 3, 1)},
+    "comm": {"full": (2, 24, 1), "quick": (1, 4, 1)},
 }
 MEMORY_STEPS = {"full": 3, "quick": 2}
 

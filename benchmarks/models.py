@@ -57,6 +57,9 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "overhead": ModelConfig("overhead", dim=128, hidden=256, n_blocks=32, input_shape=(4, 8, 128)),
     # Few large units: GEMMs and collectives dominate.
     "compute": ModelConfig("compute", dim=768, hidden=3072, n_blocks=8, input_shape=(8, 128, 768)),
+    # The compute model's units with 1/16 of its tokens: all-gather bytes dominate (what the
+    # quantized all-gathers are for; not in bench_step's default set).
+    "comm": ModelConfig("comm", dim=768, hidden=3072, n_blocks=8, input_shape=(1, 64, 768)),
 }
 
 
