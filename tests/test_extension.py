@@ -59,8 +59,15 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _train(impl, mp: bool, reshard: bool) -> dict:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+def _mesh(hsdp: bool):
+    ws = dist.get_world_size()
+    if hsdp:
+        return init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (ws,))
+
+
+def _train(impl, mp: bool, reshard: bool, hsdp: bool = False) -> dict:
+    mesh = _mesh(hsdp)
     torch.manual_seed(0)
     model = Model()
     kw = dict(mesh=mesh, reshard_after_forward=reshard)
@@ -85,17 +92,17 @@ def _train(impl, mp: bool, reshard: bool) -> dict:
     return dict(losses=losses, params=params, nf4=dequant, model=model)
 
 
-def _check(mp: bool, reshard: bool) -> None:
+def _check(mp: bool, reshard: bool, hsdp: bool = False) -> None:
     impl, torch_impl = load_impl(), ref_impl()
-    ref = _train(torch_impl, mp, reshard)
-    got = _train(impl, mp, reshard)
-    tag = f"[{impl.name} vs torch, NF4 QLoRA mp={mp}]"
+    ref = _train(torch_impl, mp, reshard, hsdp)
+    got = _train(impl, mp, reshard, hsdp)
+    tag = f"[{impl.name} vs torch, NF4 QLoRA mp={mp} hsdp={hsdp}]"
     assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
     for n, v in ref["params"].items():
         assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
     for a, b in zip(got["nf4"], ref["nf4"]):
         assert_close(f"{tag} NF4 shard", a, b, EXACT)
-    if impl.name == "fsdp_native":
+    if impl.name == "fsdp_native" and not hsdp:
         import fsdp_native
 
         model = got["model"]
@@ -116,6 +123,14 @@ def test_nf4_qlora_parity_world_size_2():
     run_distributed(_grid, 2)
 
 
+def _grid_hsdp():
+    run_grid([dict(mp=True, reshard=True, hsdp=True)], _check, name="nf4-hsdp")
+
+
+def test_nf4_qlora_parity_hsdp_2x2():
+    run_distributed(_grid_hsdp, 4, timeout=360)
+
+
 def _errors() -> None:
     import fsdp_native
 
@@ -127,6 +142,27 @@ def _errors() -> None:
     assert str(info.value) == (
         "fully_shard: parameter 'weight' of Module (NF4Tensor) has shape (6, 64); a tensor-subclass parameter with "
         "fsdp_pre_all_gather needs dim 0 divisible by the shard world size 4"
+    ), str(info.value)
+
+    # A subclass whose fsdp_post_all_gather returns something else than (tensor, tensors to
+    # free): a TypeError at the first unshard, on every rank (the subclass is the same on all).
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    mod = NF4Linear(DIM, DIM, 4)
+    fsdp_native.fully_shard(mod, mesh=mesh)
+    original = NF4Tensor.fsdp_post_all_gather
+
+    def bad_post(self, outputs, metadata, param_dtype, *, out=None):
+        return outputs[0]  # a bare tensor
+
+    NF4Tensor.fsdp_post_all_gather = bad_post
+    try:
+        with pytest.raises(TypeError) as info:
+            mod(torch.randn(2, DIM))
+    finally:
+        NF4Tensor.fsdp_post_all_gather = original
+    assert str(info.value) == (
+        "fsdp_native: NF4Tensor.fsdp_post_all_gather returned Tensor, expected (unsharded tensor, tensors to free)"
     ), str(info.value)
 
 
