@@ -234,13 +234,20 @@ class Nf4Codec(QuantCodec):
 
 
 def choose(
-    layout: Layout, all_gather: QuantizedAllGather | None, *, offload: bool, post_forward: bool, staged: bool, device: torch.device
+    layout: Layout,
+    all_gather: QuantizedAllGather | None,
+    *,
+    offload: bool,
+    post_forward: bool,
+    staged: bool,
+    device: torch.device,
+    names: list[str] | None = None,
 ) -> Codec:
     """The unit's codec: the extension protocol when it has subclass parameters, a quantized
     codec when `all_gather` asks for one and some parameter qualifies, else the plain one.
     Raises for what a codec does not support."""
     if all_gather is not None:
-        codec = _quant_codec(layout, all_gather, offload, post_forward, device)
+        codec = _quant_codec(layout, all_gather, offload, post_forward, device, names)
         if codec is not None:
             return codec
     if layout.has_ext:
@@ -248,7 +255,9 @@ def choose(
     return PlainCodec(layout, staged, post_forward)
 
 
-def _quant_codec(layout: Layout, policy: QuantizedAllGather, offload: bool, post_forward: bool, device: torch.device) -> QuantCodec | None:
+def _quant_codec(
+    layout: Layout, policy: QuantizedAllGather, offload: bool, post_forward: bool, device: torch.device, names: list[str] | None = None
+) -> QuantCodec | None:
     from fsdp_native import quant
 
     where = f"fully_shard: argument 'all_gather' ({policy.format})"
@@ -263,6 +272,13 @@ def _quant_codec(layout: Layout, policy: QuantizedAllGather, offload: bool, post
         )
     cls = Nf4Codec if policy.format == quant.NF4 else Fp8Codec
     q = [i for i in range(len(layout.shapes)) if cls.quantizes(layout, i, policy)]
+    for i in q:
+        if layout.orig_dtypes[i] not in quant._FLOATS or layout.param_dtypes[i] not in quant._FLOATS:
+            what = names[i] if names is not None else f"parameter {i}"
+            raise ValueError(
+                f"{where} quantizes float32, bfloat16 and float16 parameters; {what} is {layout.orig_dtypes[i]} "
+                f"(unsharded {layout.param_dtypes[i]})"
+            )
     return cls(layout, policy, q, device) if q else None
 
 

@@ -129,6 +129,7 @@ class Unit:
             post_forward=post_forward is not None,
             staged=self.shard_device != self.device,
             device=self.device,
+            names=[f"parameter '{name}' of {type(mod).__name__}" for (mod, name), *_ in owners],
         )
         self._shard(params)
         # Views and per-parameter registration slots, built once.

@@ -191,6 +191,14 @@ def _errors() -> None:
         "'torch.float32']; set mp_policy.param_dtype",
         lambda: fsdp_native.fully_shard(m, mesh=mesh, all_gather=fsdp_native.QuantizedAllGather("fp8_rowwise")),
     )
+    expect(
+        ValueError,
+        "fully_shard: argument 'all_gather' (nf4) quantizes float32, bfloat16 and float16 parameters; parameter "
+        "'weight' of Linear is torch.float64 (unsharded torch.float64)",
+        lambda: fsdp_native.fully_shard(
+            nn.Linear(64, 64).double().requires_grad_(False), mesh=mesh, all_gather=fsdp_native.QuantizedAllGather("nf4")
+        ),
+    )
 
 
 def test_quantized_all_gather_errors():
