@@ -184,6 +184,7 @@ class QuantCodec(Codec):
         self.chunk = self.q_bytes + sum(layout.padded[i] for i in self.plain) * itemsize
         self.plain_padded = [self.q_bytes // itemsize] + [layout.padded[i] for i in self.plain]
         self.empty = torch.empty(0, dtype=layout.param_dtype, device=device)
+        self._zero_others: bool | None = None  # decided at the first all-gather (the group's backend)
 
     @staticmethod
     def quantizes(layout: Layout, i: int, policy: QuantizedAllGather) -> bool:
@@ -205,6 +206,14 @@ class QuantCodec(Codec):
             format=self.policy.format,
             block_size=self.policy.block_size,
         )
+        if self._zero_others is None:
+            self._zero_others = _output_may_be_unwritten(unit.info.shard_group)
+        if self._zero_others:
+            # The other ranks' chunks read as zero codes and zero scales, i.e. zeros, if the
+            # collective leaves them unwritten, instead of garbage scales taken as valid.
+            rank, ws = self.layout.rank, self.layout.world_size
+            out.narrow(0, 0, rank * chunk).zero_()
+            out.narrow(0, (rank + 1) * chunk, (ws - rank - 1) * chunk).zero_()
         return inp
 
     def copy_out(self, unit, out: torch.Tensor) -> int:
@@ -219,6 +228,25 @@ class QuantCodec(Codec):
         if self.plain:
             ops.all_gather_copy_out(out.view(self.layout.param_dtype), self.plain_padded, ws, [self.empty] + [outs[i] for i in self.plain])
         return 0
+
+
+# Backends whose all-gather always writes its whole output (or raises).
+_WRITING_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "cpu:gloo,cuda:nccl")
+
+
+def _output_may_be_unwritten(group) -> bool:
+    """Whether an all-gather on `group` may return without writing the other ranks' chunks:
+    torch's fake process group (benchmarks: per-rank work real, collectives no-ops) and
+    unknown backends."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return False
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except Exception:  # noqa: BLE001 - an unregistered group: assume the worst
+        return True
+    return backend not in _WRITING_BACKENDS
 
 
 class Fp8Codec(QuantCodec):

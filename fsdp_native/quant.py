@@ -53,8 +53,11 @@ first in each rank's chunk, other bytes after them).
 Garbage input: dequantize never indexes memory with a value read from the buffer (codes are
 at most 8 bits and index 16- or 256-entry tables), so bytes that no collective wrote (torch's
 fake process group, a failed collective) give garbage values, possibly NaN or inf, never a
-crash or an out-of-bounds access. Nothing can tell such bytes from real ones: with the fake
-process group the dequantized parameters are garbage, as the plain path's are.
+crash or an out-of-bounds access. Nothing here can tell such bytes from real ones, so the
+runtime (``_codec.QuantCodec``) zeroes the other ranks' chunks before an all-gather on a group
+whose backend may leave them unwritten (torch's fake process group, unknown backends): they
+then dequantize to zeros (zero codes, zero scales; no format writes a zero scale), never to
+garbage scales taken as valid.
 
 Devices: CPU tensors run the C++ kernels (``torch.ops.fsdp_native.quantize_copy_in``, ...),
 CUDA tensors the Triton kernels (``torch.ops.fsdp_native.quantize_copy_in_triton``, ..., from

@@ -203,3 +203,34 @@ def _errors() -> None:
 
 def test_quantized_all_gather_errors():
     run_distributed(_errors, 2)
+
+
+def test_unwritten_all_gather_output_reads_as_zeros(monkeypatch):
+    """torch's fake process group (benchmarks) or any all-gather that leaves the other ranks'
+    chunks unwritten: they must dequantize to zeros, not to garbage codes times garbage scales
+    taken as valid. The collective is replaced by one that writes nothing."""
+    if load_impl().name != "fsdp_native":
+        pytest.skip("fsdp_native's own quantized all-gather")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fsdp_native
+    from fsdp_native import _comm
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        monkeypatch.setattr(_comm, "all_gather", lambda out, inp, group, rank, size: None)
+        for fmt in ("fp8_rowwise", "fp8_tensorwise"):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False))
+            # Garbage where the other rank's chunk will be: freed memory is often reused.
+            junk = torch.full((1 << 16,), float("nan"))
+            del junk
+            fsdp_native.fully_shard(m, all_gather=fsdp_native.QuantizedAllGather(fmt))
+            m.unshard()
+            for lin, rows in ((m[0], 128), (m[1], 64)):
+                w = lin.weight.detach()
+                assert torch.equal(w[rows // 2 :], torch.zeros_like(w[rows // 2 :])), (fmt, w[rows // 2 :])
+                assert torch.isfinite(w[: rows // 2]).all() and (w[: rows // 2] != 0).any(), fmt
+            m.reshard()
+    finally:
+        dist.destroy_process_group()
