@@ -59,10 +59,11 @@ class Accounting:
 
 class PendingAllGather(NamedTuple):
     """An issued all-gather: its work (None when nothing was sent) and its output buffer (the
-    flat shard itself when that stood in for it)."""
+    flat shard itself when that stood in for it; None when one rank's cast waits for the
+    copy-out)."""
 
     work: object
-    out: torch.Tensor
+    out: torch.Tensor | None
 
 
 class Unit:
