@@ -249,4 +249,6 @@ TORCH_LIBRARY_FRAGMENT(fsdp_native, m) {
       "dequantize_copy_out(Tensor gathered, int[] padded_numels, int[] row_numels, "
       "int world_size, str format, int block_size, Tensor(a!)[] outs) -> ()");
   m.def("quantize_amax(Tensor[] shards, Tensor(a!) out) -> ()");
+  // No tensors, so no dispatch: which CPU kernels the ops above run (tests, benchmarks).
+  m.def("quant_cpu_isa() -> str", &fsdp_native::quant::quant_cpu_isa);
 }

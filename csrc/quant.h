@@ -60,5 +60,9 @@ DequantizePlan plan_dequantize_copy_out(const at::Tensor& gathered, at::IntArray
                                         at::TensorList outs);
 AmaxPlan plan_quantize_amax(at::TensorList shards, const at::Tensor& out);
 
+// The kernels the CPU quant ops run on this machine: "avx512-vbmi", "avx512" or "portable",
+// the best the CPU has, capped by FSDP_NATIVE_QUANT_ISA (csrc/cpu/quant_cpu.cpp).
+std::string quant_cpu_isa();
+
 }  // namespace quant
 }  // namespace fsdp_native

@@ -70,6 +70,13 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp_native._env import one_of
+
+# Which CPU kernels the ops may use (read by the C++ ops too; validated here at import):
+# "auto" (the best the CPU has), "avx512" or "portable". torch.ops.fsdp_native.quant_cpu_isa()
+# says which run.
+CPU_ISA = one_of("FSDP_NATIVE_QUANT_ISA", "auto", ("auto", "avx512", "portable"))
+
 __all__ = [
     "FP8_TENSORWISE",
     "FP8_ROWWISE",

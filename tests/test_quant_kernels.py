@@ -12,7 +12,9 @@
 * exact error messages (C++ and the Python checks of the fakes and the Triton path) and
   torch.library.opcheck;
 * the Triton kernels equal the C++ ones bit for bit, run with TRITON_INTERPRET=1 in a
-  subprocess (``python tests/test_quant_kernels.py --triton`` runs that part alone).
+  subprocess (``python tests/test_quant_kernels.py --triton`` runs that part alone);
+* every level of CPU kernels this machine has (FSDP_NATIVE_QUANT_ISA=avx512 and portable
+  below the default best), the bit-exact tests again in a subprocess each.
 """
 import math
 import os
@@ -574,3 +576,45 @@ def triton_main() -> None:
 
 if __name__ == "__main__" and "--triton" in sys.argv:
     triton_main()
+
+
+# ----------------------------------------------------------------------------- CPU kernel levels
+_BIT_EXACT = "grid_matches or every or non_finite or tiny_amax or hypothesis or multithreaded or global_amax or garbage or rows_of or misaligned"
+
+
+def test_cpu_kernel_level_is_reported():
+    want = os.environ.get("FSDP_NATIVE_QUANT_ISA", "auto").strip().lower()
+    got = torch.ops.fsdp_native.quant_cpu_isa()
+    assert got in ("avx512-vbmi", "avx512", "portable"), got
+    if want == "portable":
+        assert got == "portable"
+    elif want == "avx512":
+        assert got in ("avx512", "portable"), got  # capped at avx512; less on a CPU without it
+
+
+@pytest.mark.parametrize("level", ["avx512", "portable"])
+def test_bit_exact_at_every_cpu_kernel_level(level):
+    """The default run tests the best kernels the CPU has; the others are the fallbacks other
+    CPUs (and rare scales) run: the same bit-exact tests with the level capped."""
+    if os.environ.get("FSDP_NATIVE_QUANT_ISA"):
+        pytest.skip("already running at a capped level")
+    env = dict(os.environ, FSDP_NATIVE_QUANT_ISA=level)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", _BIT_EXACT + " or level_is_reported"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-1000:]
+
+
+def test_bad_cpu_kernel_level_fails_import():
+    env = dict(os.environ, FSDP_NATIVE_QUANT_ISA="avx9000")
+    r = subprocess.run([sys.executable, "-c", "import fsdp_native"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert (
+        "ValueError: fsdp_native: environment variable FSDP_NATIVE_QUANT_ISA must be one of auto, avx512, portable, got 'avx9000'"
+        in r.stderr
+    ), r.stderr[-500:]

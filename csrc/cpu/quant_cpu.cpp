@@ -11,6 +11,9 @@
 #include <type_traits>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
+#include <cctype>
+#include <string>
 #include <vector>
 
 #include "../quant.h"
@@ -47,6 +50,27 @@
 namespace fsdp_native {
 namespace quant {
 namespace {
+
+// FSDP_NATIVE_QUANT_ISA caps the kernels: "auto" (default: the best the CPU has), "avx512" (the
+// AVX-512 F/BW/VL kernels, not the VBMI/BF16 ones) or "portable" (the compiled loops only), so
+// the tests can check every level on one machine. Read once (case and surrounding spaces
+// ignored, as fsdp_native's Python switches); a bad value fails every op that would use it.
+int isa_cap() {
+  static const int v = [] {
+    const char* e = std::getenv("FSDP_NATIVE_QUANT_ISA");
+    std::string s = e == nullptr ? "" : e;
+    const auto b = s.find_first_not_of(" \t"), t = s.find_last_not_of(" \t");
+    s = b == std::string::npos ? "" : s.substr(b, t - b + 1);
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (s.empty() || s == "auto") return 2;
+    if (s == "avx512") return 1;
+    if (s == "portable") return 0;
+    return -1;
+  }();
+  TORCH_CHECK(v >= 0, "fsdp_native: environment variable FSDP_NATIVE_QUANT_ISA must be one of auto, avx512, portable, got '",
+              std::getenv("FSDP_NATIVE_QUANT_ISA"), "'");
+  return v;
+}
 
 // Elements per task: large enough to amortise the task, small enough to balance threads.
 constexpr int64_t kTaskElems = int64_t{1} << 15;
@@ -306,7 +330,7 @@ bool have_avx512() {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
   }();
-  return v;
+  return v && isa_cap() >= 1;
 }
 
 // --- AVX-512 with VBMI, BF16 and the fp16 conversions (Ice Lake, Sapphire Rapids, Zen 4) ------
@@ -333,7 +357,7 @@ bool have_avx512x() {
     return have_avx512() && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi") &&
            __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   }();
-  return v;
+  return v && isa_cap() >= 2;
 }
 
 // M of the e4m3 rounding (above) by biased exponent & 31, for the exponents 104 (2^-23) ..
@@ -995,6 +1019,16 @@ TORCH_LIBRARY_IMPL(fsdp_native, CPU, m) {
   m.impl("quantize_copy_in", &quantize_copy_in_cpu);
   m.impl("dequantize_copy_out", &dequantize_copy_out_cpu);
   m.impl("quantize_amax", &quantize_amax_cpu);
+}
+
+std::string quant_cpu_isa() {
+#if FSDPN_QUANT_X86
+  if (have_avx512x()) return "avx512-vbmi";
+  if (have_avx512()) return "avx512";
+#else
+  (void)isa_cap();
+#endif
+  return "portable";
 }
 
 }  // namespace quant
