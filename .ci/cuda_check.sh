@@ -80,8 +80,13 @@ if missing:
 # fsdp_native.quant calls their Triton twins (kernels/quant.py, *_triton ops), which are
 # registered when that module is imported and need no CUDA build.
 cpu_only = {"quantize_copy_in", "dequantize_copy_out", "quantize_amax"}
+# Ops without tensor arguments have one kernel for every device (no dispatch).
+no_tensors = {"quant_cpu_isa"}
 for name in ops:
     base = name.split("::", 1)[1].split(".", 1)[0]
+    if base in no_tensors:
+        print(f"cuda_check: skip {name}: no tensor arguments, no per-device kernel")
+        continue
     if base in cpu_only or base.endswith("_triton"):
         print(f"cuda_check: skip {name}: CPU kernel; CUDA tensors go to its Triton twin")
         continue
