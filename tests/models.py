@@ -224,8 +224,13 @@ class Cfg:
 
 
 def make_mesh(cfg: Cfg):
+    return mesh_of(cfg.mesh)
+
+
+def mesh_of(kind: str):
+    """"1d": every rank in one shard group; "hsdp": 2 replicas x 2 shards (world size 4)."""
     ws = dist.get_world_size()
-    if cfg.mesh == "hsdp":
+    if kind == "hsdp":
         assert ws == 4
         return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh("cpu", (ws,))

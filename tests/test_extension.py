@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import assert_close, full, load_impl, ref_impl, run_distributed, run_grid
+from models import mesh_of
 
 pytest.importorskip("torchao", reason="torchao is a test dependency (make test installs it)")
 from torchao.quantization import to_nf4  # noqa: E402
@@ -59,15 +60,8 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _mesh(hsdp: bool):
-    ws = dist.get_world_size()
-    if hsdp:
-        return init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (ws,))
-
-
 def _train(impl, mp: bool, reshard: bool, hsdp: bool = False) -> dict:
-    mesh = _mesh(hsdp)
+    mesh = mesh_of("hsdp" if hsdp else "1d")
     torch.manual_seed(0)
     model = Model()
     kw = dict(mesh=mesh, reshard_after_forward=reshard)

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import assert_close, full, load_impl, ref_impl, run_distributed, run_grid
+from models import mesh_of
 
 pytest.importorskip("torchao", reason="torchao is a test dependency (make test installs it)")
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
@@ -49,15 +49,8 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _mesh(hsdp: bool):
-    ws = dist.get_world_size()
-    if hsdp:
-        return init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (ws,))
-
-
 def _train(impl, hsdp: bool, precompute: bool, mp: bool, steps: int = 4) -> dict:
-    mesh = _mesh(hsdp)
+    mesh = mesh_of("hsdp" if hsdp else "1d")
     torch.manual_seed(0)
     model = Model()
     cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
