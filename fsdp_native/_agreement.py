@@ -19,6 +19,8 @@ groups), so every rank builds the same message from the same data.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 
 import torch
@@ -78,13 +80,22 @@ def describe(root: nn.Module, units: list) -> dict:
             {
                 "path": ", ".join(_show(paths.get(id(m), "?")) for m in u.modules),
                 "params": params,
-                "mp_policy": repr(u.mp),
+                "mp_policy": _mp_repr(u),
                 "reshard_after_forward": raf,
                 "offload_policy": repr(u.offload) if u.offload is not None else "OffloadPolicy()",
                 "mesh": tuple(u.info.mesh.mesh.shape),
             }
         )
     return {"root": _class_name(root), "units": out}
+
+
+def _mp_repr(u) -> str:
+    """The unit's policy as text equal across ranks: a param_dtype_override_fn shows as the
+    unsharded dtypes it chose (its repr holds an address)."""
+    if u.mp.param_dtype_override_fn is None:
+        return repr(u.mp)
+    dtypes = [str(d).replace("torch.", "") for d in u.layout.param_dtypes]
+    return f"{dataclasses.replace(u.mp, param_dtype_override_fn=None)!r} with param_dtype_override_fn giving {dtypes}"
 
 
 def _show(path: str) -> str:

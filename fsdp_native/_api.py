@@ -1,5 +1,6 @@
 """Configuration objects of fully_shard. Torch's own policy objects are accepted as well."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -11,16 +12,25 @@ class MixedPrecisionPolicy:
     Attributes:
         param_dtype: dtype of the unsharded parameters used in forward and backward, and of the
             all-gather. ``None`` keeps the original dtype.
-        reduce_dtype: dtype of the gradient reduce-scatter (and HSDP all-reduce). ``None``
-            uses ``param_dtype`` (or the original dtype).
+        reduce_dtype: dtype of the gradient reduce-scatter (and HSDP all-reduce), and of the
+            gradients accumulated while gradient sync is off. ``None`` follows the installed
+            torch's FSDP2: before torch 2.15 gradients are reduced in ``param_dtype`` (or the
+            original dtype); from 2.15 in the trainable parameters' original dtype (fp32 for
+            fp32 parameters with ``param_dtype=torch.bfloat16``). With a
+            ``param_dtype_override_fn`` the 2.15 rule holds on every torch.
         output_dtype: dtype the module's floating-point outputs are cast to. ``None`` leaves them.
         cast_forward_inputs: whether floating-point forward inputs are cast to ``param_dtype``.
+        param_dtype_override_fn: keyword only, as in torch 2.15: called once per parameter at
+            ``fully_shard``; returning the parameter's own dtype keeps it unsharded (and
+            computed) in that dtype, returning ``None`` or ``param_dtype`` uses ``param_dtype``.
+            Forward inputs are still cast to ``param_dtype``. Works on every supported torch.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[torch.nn.Parameter], torch.dtype | None] | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -68,14 +78,42 @@ def normalize_mp_policy(policy) -> MixedPrecisionPolicy:
     fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
     if not all(hasattr(policy, f) for f in fields):
         raise TypeError(f"fully_shard: argument 'mp_policy' must be a MixedPrecisionPolicy, got {type(policy).__name__}")
-    if getattr(policy, "param_dtype_override_fn", None) is not None:  # torch >= 2.15's policy
-        raise NotImplementedError("fully_shard: argument 'mp_policy.param_dtype_override_fn' is not supported; leave it None")
     values = {f: getattr(policy, f) for f in fields}
     for f in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = values[f]
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(f"fully_shard: argument 'mp_policy.{f}' is {dtype}, expected a floating dtype or None")
-    return MixedPrecisionPolicy(**values)
+    override = getattr(policy, "param_dtype_override_fn", None)  # torch >= 2.15's policy has it too
+    if override is not None and not callable(override):
+        raise TypeError(
+            f"fully_shard: argument 'mp_policy.param_dtype_override_fn' is a {type(override).__name__}, "
+            "expected a callable taking a parameter, or None"
+        )
+    return MixedPrecisionPolicy(**values, param_dtype_override_fn=override)
+
+
+def resolve_param_dtypes(mp: MixedPrecisionPolicy, params: list, names: list[str]) -> list:
+    """Each parameter's unsharded dtype request: ``mp.param_dtype``, or what
+    ``mp.param_dtype_override_fn`` returns for it (None, ``param_dtype`` or the parameter's own
+    dtype, as torch 2.15 allows)."""
+    fn = mp.param_dtype_override_fn
+    if fn is None:
+        return [mp.param_dtype] * len(params)
+    out = []
+    for p, name in zip(params, names):
+        got = fn(p)
+        if got is not None and not isinstance(got, torch.dtype):
+            raise ValueError(
+                f"fully_shard: argument 'mp_policy.param_dtype_override_fn' returned a {type(got).__name__} for "
+                f"parameter '{name}', expected a torch.dtype or None"
+            )
+        if got is not None and got not in (mp.param_dtype, p.dtype):
+            raise ValueError(
+                f"fully_shard: argument 'mp_policy.param_dtype_override_fn' returned {got} for parameter '{name}' "
+                f"of dtype {p.dtype}, expected None, param_dtype ({mp.param_dtype}) or the parameter's own dtype"
+            )
+        out.append(mp.param_dtype if got is None else got)
+    return out
 
 
 def normalize_offload_policy(policy) -> CPUOffloadPolicy | None:

@@ -83,18 +83,35 @@ class PlainCodec(Codec):
         if self.staged:
             staged = unit.sharded_flat.to(unit.device, non_blocking=True)
             if layout.needs_cast:
-                ops.all_gather_copy_in(layout.shard_views(staged), layout.padded, inp)
+                self._cast_in(layout.shard_views(staged), inp)
             else:
                 ops.all_gather_copy_in([staged], [chunk], inp)
         else:
-            ops.all_gather_copy_in(unit.shard_views, layout.padded, inp)
+            self._cast_in(unit.shard_views, inp)
         return inp
+
+    def _cast_in(self, shards: list[torch.Tensor], inp: torch.Tensor) -> None:
+        layout = self.layout
+        if not layout.cast_runs:
+            ops.all_gather_copy_in(shards, layout.padded, inp)
+            return
+        # Bytes with several unsharded dtypes: one casting copy-in per run of one dtype.
+        for first, end, dtype, offset in layout.cast_runs:
+            nbytes = sum(layout.ag_padded[first:end])
+            ops.all_gather_copy_in(shards[first:end], layout.padded[first:end], inp.narrow(0, offset, nbytes).view(dtype))
+        if layout.ag_tail:
+            inp.narrow(0, layout.total_padded - layout.ag_tail, layout.ag_tail).zero_()
 
     def copy_out(self, unit, out: torch.Tensor | None) -> int:
         if out is None:  # deferred: cast the shards into the unsharded buffer
             ops.all_gather_copy_in(unit.shard_views, self.layout.padded, unit.unsharded_flat)
             return 0
-        ops.all_gather_copy_out(out, self.layout.ag_padded, self.layout.world_size, unit._unsharded_plain)
+        layout = self.layout
+        if layout.ag_tail:
+            empty = out.new_empty(0)
+            ops.all_gather_copy_out(out, layout.ag_padded + [layout.ag_tail], layout.world_size, unit._unsharded_plain + [empty])
+        else:
+            ops.all_gather_copy_out(out, layout.ag_padded, layout.world_size, unit._unsharded_plain)
         return 0
 
 

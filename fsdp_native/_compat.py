@@ -15,6 +15,11 @@ CI builds the CUDA kernels against the newest).
   called and every op returned a plain DTensor (``nn.Parameter(ShardedDTensor)`` failed on
   ``detach``). ``fsdp_native._dtensor`` routes ShardedDTensor's ops to its dispatch by other
   means where this is False.
+* ``REDUCE_IN_ORIG_DTYPE``: torch 2.15 changed what ``MixedPrecisionPolicy(reduce_dtype=None)``
+  means. Before, gradients were reduced in ``param_dtype``; from 2.15 in the parameters'
+  original dtype (their ``grad_dtype``): fp32 for fp32 parameters computed in bf16. Gradients
+  accumulated with gradient sync off follow the same dtype. fsdp_native does what the
+  installed torch's FSDP2 does, so its numbers stay torch's on each version.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ def _version(v: str) -> tuple[int, int]:
 TORCH_VERSION = _version(torch.__version__)
 
 DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 12)
+REDUCE_IN_ORIG_DTYPE = TORCH_VERSION >= (2, 15)
 
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"

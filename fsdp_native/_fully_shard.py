@@ -17,6 +17,7 @@ from fsdp_native._api import (
     QuantizedAllGather,
     normalize_mp_policy,
     normalize_offload_policy,
+    resolve_param_dtypes,
 )
 from fsdp_native._mesh import default_mesh, mesh_info, post_forward_group
 from fsdp_native._state import post_forward, pre_forward
@@ -115,8 +116,9 @@ def fully_shard(
                 "make it a 1-D tensor of size 1"
             )
     _check_devices(params, names)
+    param_dtypes = resolve_param_dtypes(mp, params, names)  # the user's parameters, as torch calls it
     params = [_to_device(p, info.device) for p in params]
-    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather)
+    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes)
     for m in modules:
         m._fsdp_native_unit = unit
         m.register_forward_pre_hook(functools.partial(_pre_hook, unit), prepend=True, with_kwargs=True)

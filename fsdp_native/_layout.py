@@ -19,12 +19,14 @@ import torch.nn as nn
 from fsdp_native import _extension, ops
 
 
-def itemsize_order(params: list[nn.Parameter]) -> list[int] | None:
-    """The parameter order of a unit with several dtypes (largest element first, stable);
-    None when they share one dtype and keep their order."""
-    if len({p.dtype for p in params}) <= 1:
+def itemsize_order(params: list[nn.Parameter], param_dtypes: list | None = None) -> list[int] | None:
+    """The parameter order of a unit with several dtypes (largest element first, stable: by
+    the original dtype, then by the unsharded one); None when they share one dtype and keep
+    their order."""
+    unsharded = [d or p.dtype for p, d in zip(params, param_dtypes or [None] * len(params))]
+    if len({p.dtype for p in params}) <= 1 and len(set(unsharded)) <= 1:
         return None
-    return sorted(range(len(params)), key=lambda i: -params[i].dtype.itemsize)
+    return sorted(range(len(params)), key=lambda i: (-params[i].dtype.itemsize, -unsharded[i].itemsize))
 
 
 class Layout:
@@ -41,13 +43,14 @@ class Layout:
         gather_bytes, param_dtype: whether the plain all-gather and the unsharded buffer are
             bytes, else their one dtype.
         ag_padded, total_padded: each parameter's length in a rank's plain all-gather chunk,
-            and the chunk's length.
+            and the chunk's length (with ``ag_tail`` bytes of tail padding after the last
+            parameter when casts into several dtypes need every chunk aligned).
         reduce_total: reduce-scatter elements per rank.
         unsharded_numel: length of the unsharded flat buffer.
         needs_cast: whether the plain all-gather casts the shards.
     """
 
-    def __init__(self, params: list[nn.Parameter], world_size: int, rank: int, param_dtype: torch.dtype | None) -> None:
+    def __init__(self, params: list[nn.Parameter], world_size: int, rank: int, param_dtype: "torch.dtype | None | list") -> None:
         ws = world_size
         self.world_size, self.rank = ws, rank
         self.ext = [_extension.has_extension(p) for p in params]
@@ -57,7 +60,8 @@ class Layout:
         self.padded = [ops.padded_shard_numel(s, ws) for s in self.shapes]
         self.total_numel = sum(self.numels)
         self.orig_dtypes = [p.dtype for p in params]
-        self.param_dtypes = [param_dtype or d for d in self.orig_dtypes]
+        requested = param_dtype if isinstance(param_dtype, list) else [param_dtype] * len(params)
+        self.param_dtypes = [r or d for r, d in zip(requested, self.orig_dtypes)]
         self.requires_grad = [p.requires_grad for p in params]
         mixed = len(set(self.orig_dtypes)) > 1 or self.has_ext
         self.orig_dtype = torch.uint8 if mixed else (self.orig_dtypes[0] if params else torch.float32)
@@ -73,6 +77,28 @@ class Layout:
             else self.total_numel
         )
         self.needs_cast = self.param_dtypes != self.orig_dtypes
+        # A byte all-gather that casts (param_dtype_override_fn: some parameters keep their
+        # dtype): runs of parameters with one unsharded dtype, each copied in by one cast,
+        # as (first, end, dtype, byte offset in a rank's chunk).
+        self.cast_runs: list[tuple[int, int, torch.dtype, int]] = []
+        self.ag_tail = 0
+        if self.gather_bytes and self.needs_cast and not self.has_ext:
+            offset = 0
+            for i, (d, nbytes) in enumerate(zip(self.param_dtypes, self.ag_padded)):
+                if offset % d.itemsize:
+                    raise NotImplementedError(
+                        f"fsdp_native: unsharded dtypes {[str(x) for x in self.param_dtypes]} leave parameter {i} unaligned "
+                        "in the all-gather buffer"
+                    )
+                if self.cast_runs and self.cast_runs[-1][2] == d:
+                    first, _, _, start = self.cast_runs[-1]
+                    self.cast_runs[-1] = (first, i + 1, d, start)
+                else:
+                    self.cast_runs.append((i, i + 1, d, offset))
+                offset += nbytes
+            # Every rank's chunk starts aligned for the widest dtype: tail padding.
+            self.ag_tail = -self.total_padded % 8
+            self.total_padded += self.ag_tail
 
     def local_rows(self, shape: torch.Size) -> int:
         rows = -(-shape[0] // self.world_size)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_native import _codec, _comm, _trace, ops
+from fsdp_native import _codec, _comm, _compat, _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedAllGather
 from fsdp_native._dtensor import ShardedDTensor, make_sharded
 from fsdp_native._layout import Layout, itemsize_order
@@ -78,6 +78,7 @@ class Unit:
         reshard_after_forward: bool | None,
         post_forward: tuple[dist.ProcessGroup, int, int] | None,
         all_gather: QuantizedAllGather | None = None,
+        param_dtypes: list[torch.dtype | None] | None = None,
     ) -> None:
         self.modules = modules
         self.owners = owners
@@ -109,17 +110,29 @@ class Unit:
 
         ws, rank = info.shard_size, info.shard_rank
         self.world_size, self.rank = ws, rank
-        order = itemsize_order(params)
+        if param_dtypes is None:
+            param_dtypes = [mp.param_dtype] * len(params)
+        order = itemsize_order(params, param_dtypes)
         if order is not None:
             params, owners = [params[i] for i in order], [owners[i] for i in order]
+            param_dtypes = [param_dtypes[i] for i in order]
             self.owners = owners
-        self.layout = layout = Layout(params, ws, rank, mp.param_dtype)
+        self.layout = layout = Layout(params, ws, rank, param_dtypes)
         if layout.has_ext:
             _codec.check_extension_params(params, owners, layout.ext, ws, offload, post_forward)
+        # The reduce dtype the policy fixes (None: that of the gradients, checked when they are
+        # reduced). reduce_dtype=None follows the installed torch (_compat.REDUCE_IN_ORIG_DTYPE).
+        self.policy_reduce_dtype = mp.reduce_dtype
+        if mp.reduce_dtype is None and (_compat.REDUCE_IN_ORIG_DTYPE or mp.param_dtype_override_fn is not None):
+            trainable = {d for d, rg in zip(layout.orig_dtypes, layout.requires_grad) if rg}
+            if len(trainable) == 1:
+                self.policy_reduce_dtype = trainable.pop()
         # One gradient dtype per unit, as torch FSDP2 requires: the reduce dtype, else that of
         # the unsharded parameters with gradients (checked when they are reduced).
         grad_dtypes = {d for d, rg in zip(layout.param_dtypes, layout.requires_grad) if rg}
-        self.reduce_dtype = mp.reduce_dtype or (grad_dtypes.pop() if len(grad_dtypes) == 1 else layout.param_dtypes[0] if params else torch.float32)
+        self.reduce_dtype = self.policy_reduce_dtype or (
+            grad_dtypes.pop() if len(grad_dtypes) == 1 else layout.param_dtypes[0] if params else torch.float32
+        )
         self.device = info.device
         self.streams = streams_for(info.device)  # replaced by the root's shared streams at lazy init
         self.shard_device = torch.device("cpu") if offload is not None else info.device
@@ -502,7 +515,7 @@ class Unit:
                     acc[i] += p.grad
                     p.grad = None
         if not self.requires_gradient_sync:
-            rd = self.mp.reduce_dtype
+            rd = self.policy_reduce_dtype
             if rd is not None:
                 if acc is None:
                     acc = self._accumulated = [None] * len(ups)
@@ -514,7 +527,7 @@ class Unit:
             grads = [acc[i] if acc is not None and acc[i] is not None else p.grad for i, p in enumerate(ups)]
             self._accumulated = None
             has_grad = [g is not None for g in grads]
-            if self.mp.reduce_dtype is None and any(has_grad):
+            if self.policy_reduce_dtype is None and any(has_grad):
                 self._check_grad_dtypes(grads)
             if any(has_grad):
                 self.ctx.reducer.add(self, grads, has_grad)

@@ -6,7 +6,8 @@ this file on the default torch and on the oldest supported one, ``make test-olde
   on ``torch.distributed`` at call time (a wrapper installed there sees the call).
 * ``DTENSOR_SUBCLASS_DISPATCH`` matches what this torch does: a DTensor subclass's own
   ``__torch_dispatch__`` is called, or is not.
-* A policy with torch 2.15's ``param_dtype_override_fn`` set is refused, not ignored.
+* A policy with torch 2.15's ``param_dtype_override_fn`` keeps it (``tests/test_mp_override.py``
+  tests what it does).
 * ``nn.Parameter`` of a ShardedDTensor is a ShardedDTensor (2.11 returned a plain DTensor from
   ``detach`` and refused), and the optimizer ops on it and its gradient stay ShardedDTensors.
 """
@@ -29,12 +30,10 @@ def test_version_parsing():
     assert _version("2.16.0.dev20260101+cpu") == (2, 16)
 
 
-def test_newer_mp_policy_fields_are_refused_not_ignored():
-    """torch 2.15's MixedPrecisionPolicy has param_dtype_override_fn; fsdp_native (torch 2.13's
-    API) raises rather than silently casting every parameter to param_dtype."""
+def test_newer_mp_policy_fields_are_kept():
+    """torch 2.15's MixedPrecisionPolicy has param_dtype_override_fn; fsdp_native keeps it
+    rather than silently casting every parameter to param_dtype."""
     import dataclasses
-
-    import pytest
 
     from fsdp_native._api import normalize_mp_policy
 
@@ -47,8 +46,12 @@ def test_newer_mp_policy_fields_are_refused_not_ignored():
         param_dtype_override_fn: object = None
 
     assert normalize_mp_policy(Newer()).param_dtype == torch.bfloat16
-    with pytest.raises(NotImplementedError, match=r"mp_policy\.param_dtype_override_fn"):
-        normalize_mp_policy(Newer(param_dtype_override_fn=lambda p: None))
+    assert normalize_mp_policy(Newer()).param_dtype_override_fn is None
+
+    def fn(p):
+        return None
+
+    assert normalize_mp_policy(Newer(param_dtype_override_fn=fn)).param_dtype_override_fn is fn
 
 
 def _collectives_body():

@@ -77,7 +77,10 @@ def test_policy_classes_match_torch():
     impl = load_impl()
     ours = {f.name: f.default for f in dataclasses.fields(impl.MixedPrecisionPolicy)}
     theirs = {f.name: f.default for f in dataclasses.fields(torch_fsdp.MixedPrecisionPolicy)}
-    theirs.pop("param_dtype_override_fn", None)  # torch >= 2.15; not supported (tests/test_compat.py)
+    # torch >= 2.15's keyword-only field: fsdp_native has it on every torch (tests/test_mp_override.py)
+    override = ours.pop("param_dtype_override_fn", "missing")
+    assert impl.name != "fsdp_native" or override is None, "MixedPrecisionPolicy lacks param_dtype_override_fn=None"
+    theirs.pop("param_dtype_override_fn", None)
     assert ours == theirs, f"MixedPrecisionPolicy fields {ours} != torch's {theirs}"
     p = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     assert p == impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -1,0 +1,264 @@
+"""torch 2.15's mixed-precision changes, on every supported torch.
+
+* ``MixedPrecisionPolicy(param_dtype_override_fn=...)``: some parameters of a bf16 unit keep
+  their fp32 dtype for compute (e.g. the ``A_log`` / ``dt_bias`` of linear-attention mixers).
+  fsdp_native gathers them in the unit's one all-gather (bytes, one casting copy-in per run
+  of one dtype). Reference on any torch: torch FSDP2 with those parameters in units of their
+  own (``param_dtype=None``), which computes the same numbers; where the installed torch has
+  the field (2.15), also torch FSDP2 with the same override in one unit. Bit for bit, also
+  with gradient accumulation and on HSDP 2x2.
+* ``reduce_dtype=None`` means what it means in the installed torch: the gradients of fp32
+  parameters computed in bf16 are reduced in bf16 before 2.15 and in fp32 from 2.15
+  (``fsdp_native._compat.REDUCE_IN_ORIG_DTYPE``). Bit for bit against torch FSDP2; the two
+  reductions give different numbers, so a wrong choice fails.
+* Bad overrides raise at ``fully_shard`` naming the parameter.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from dist_utils import assert_close, full_params, load_impl, ref_impl, run_distributed, run_grid
+
+EXACT = dict(rtol=0, atol=0)
+
+
+def _torch_has_override() -> bool:
+    import torch.distributed.fsdp as tf
+
+    return "param_dtype_override_fn" in {f.name for f in dataclasses.fields(tf.MixedPrecisionPolicy)}
+
+
+class Gate(nn.Module):
+    """fp32-only parameters (marked ``_keep_fp32``), used in fp32 whatever the input dtype."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(1 + 0.1 * torch.randn(dim))
+        self.mix = nn.Parameter(0.1 * torch.randn(dim, 3))
+        for p in (self.scale, self.mix):
+            p._keep_fp32 = True
+
+    def forward(self, x):
+        h = x.float()
+        return (h * self.scale.float() + (h @ self.mix.float()).sum(-1, keepdim=True)).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.gate = Gate(2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.gate(self.up(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, dim: int = 6, n: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _keep_fp32(p: nn.Parameter):
+    return torch.float32 if getattr(p, "_keep_fp32", False) else None
+
+
+def _train(impl, mesh, variant: str, accum: int, reduce_dtype, steps: int = 3) -> dict:
+    """variant: 'override' (one unit per block, the override keeps the Gate's parameters in
+    fp32), 'split' (the Gate in a unit of its own with param_dtype=None), 'plain' (bf16
+    everywhere)."""
+    torch.manual_seed(0)
+    model = Model()
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    kw = dict(mesh=mesh)
+    for b in model.blocks:
+        if variant == "override":
+            impl.fully_shard(b, mp_policy=impl.MixedPrecisionPolicy(**bf16, param_dtype_override_fn=_keep_fp32), **kw)
+        else:
+            if variant == "split":
+                impl.fully_shard(b.gate, mp_policy=impl.MixedPrecisionPolicy(reduce_dtype=reduce_dtype), **kw)
+            impl.fully_shard(b, mp_policy=impl.MixedPrecisionPolicy(**bf16), **kw)
+    # The root has no fp32-kept parameters: its reduce dtype is set, except in 'plain'.
+    root_reduce = reduce_dtype if variant == "plain" else torch.float32
+    impl.fully_shard(model, mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=root_reduce), **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        for micro in range(accum):
+            if accum > 1:
+                model.set_requires_gradient_sync(micro == accum - 1)
+            loss = model(torch.randn(5, 4, generator=gen)).float().pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return dict(losses=losses, params=full_params(model))
+
+
+def _same(tag: str, got: dict, ref: dict) -> None:
+    assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
+    assert got["params"].keys() == ref["params"].keys()
+    for n, v in ref["params"].items():
+        assert got["params"][n].dtype == v.dtype, (n, got["params"][n].dtype, v.dtype)
+        assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
+
+
+def _mesh(kind: str):
+    ws = dist.get_world_size()
+    if kind == "hsdp":
+        return init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (ws,))
+
+
+def _check_override(accum: int, mesh_kind: str = "1d") -> None:
+    impl, torch_impl = load_impl(), ref_impl()
+    mesh = _mesh(mesh_kind)
+    got = _train(impl, mesh, "override", accum, None)
+    # torch's gradients of the Gate are fp32 and every other one is reduced in fp32 with it
+    ref = _train(torch_impl, mesh, "split", accum, torch.float32)
+    _same(f"[{impl.name} override vs torch split units, accum={accum}, {mesh_kind}]", got, ref)
+    if _torch_has_override():
+        ref = _train(torch_impl, mesh, "override", accum, None)
+        _same(f"[{impl.name} override vs torch override, accum={accum}, {mesh_kind}]", got, ref)
+
+
+def _unsharded_dtypes() -> None:
+    """The override decides each unsharded parameter's dtype in the forward."""
+    impl = load_impl()
+    torch.manual_seed(0)
+    model = Model(n=1)
+    mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=_keep_fp32)
+    impl.fully_shard(model.blocks[0], mp_policy=mp, mesh=_mesh("1d"))
+    impl.fully_shard(model, mesh=_mesh("1d"), mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    seen = {}
+
+    def hook(mod, args):
+        for n, p in mod.named_parameters(recurse=False):
+            seen[f"{type(mod).__name__}.{n}"] = p.dtype
+
+    for m in model.blocks[0].modules():
+        m.register_forward_pre_hook(hook)
+    model(torch.randn(2, 4))
+    assert seen == {
+        "Linear.weight": torch.bfloat16,
+        "Linear.bias": torch.bfloat16,
+        "Gate.scale": torch.float32,
+        "Gate.mix": torch.float32,
+    }, seen
+
+
+def _grid_ws2():
+    run_grid([dict(accum=1), dict(accum=2)], _check_override, name="override")
+    _unsharded_dtypes()
+
+
+def test_param_dtype_override_ws2():
+    run_distributed(_grid_ws2, 2)
+
+
+def _grid_hsdp():
+    run_grid([dict(accum=2, mesh_kind="hsdp")], _check_override, name="override-hsdp")
+
+
+def test_param_dtype_override_hsdp():
+    run_distributed(_grid_hsdp, 4)
+
+
+def _check_reduce_none(accum: int) -> None:
+    """reduce_dtype=None: the installed torch's rule, bit for bit."""
+    impl, torch_impl = load_impl(), ref_impl()
+    mesh = _mesh("1d")
+    got = _train(impl, mesh, "plain", accum, None)
+    ref = _train(torch_impl, mesh, "plain", accum, None)
+    _same(f"[{impl.name} vs torch {torch.__version__}, reduce_dtype=None, accum={accum}]", got, ref)
+    # ... and the two rules give different numbers here, so the test tells them apart
+    other = _train(torch_impl, mesh, "plain", accum, torch.bfloat16 if _reduces_in_orig() else torch.float32)
+    assert got["params"]["inp.weight"].ne(other["params"]["inp.weight"]).any(), "both reduce dtypes gave the same numbers"
+
+
+def _reduces_in_orig() -> bool:
+    from fsdp_native import _compat
+
+    return _compat.REDUCE_IN_ORIG_DTYPE
+
+
+def _grid_reduce_none():
+    run_grid([dict(accum=1), dict(accum=2)], _check_reduce_none, name="reduce-none")
+
+
+def test_reduce_dtype_none_follows_installed_torch():
+    run_distributed(_grid_reduce_none, 2)
+
+
+def test_reduce_rule_matches_torch_version():
+    from fsdp_native import _compat
+
+    assert _compat.REDUCE_IN_ORIG_DTYPE == (_compat.TORCH_VERSION >= (2, 15))
+
+
+def _bad_overrides() -> None:
+    from fsdp_native import MixedPrecisionPolicy, fully_shard
+
+    mesh = _mesh("1d")
+    cases = [
+        (
+            lambda p: "float32",
+            ValueError,
+            "fully_shard: argument 'mp_policy.param_dtype_override_fn' returned a str for parameter 'up.weight', "
+            "expected a torch.dtype or None",
+        ),
+        (
+            lambda p: torch.float16,
+            ValueError,
+            "fully_shard: argument 'mp_policy.param_dtype_override_fn' returned torch.float16 for parameter "
+            "'up.weight' of dtype torch.float32, expected None, param_dtype (torch.bfloat16) or the parameter's own dtype",
+        ),
+    ]
+    for fn, exc, msg in cases:
+        block = Block(4)
+        with pytest.raises(exc) as info:
+            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=fn))
+        assert str(info.value) == msg, str(info.value)
+        assert not hasattr(block, "_fsdp_native_unit")
+
+
+def test_bad_override_raises():
+    if load_impl().name != "fsdp_native":
+        pytest.skip("fsdp_native's own error messages")
+    run_distributed(_bad_overrides, 1)
+
+
+def test_override_must_be_callable():
+    from fsdp_native._api import normalize_mp_policy
+
+    @dataclasses.dataclass(frozen=True)
+    class Newer:  # torch 2.15's fields, whatever torch is installed
+        param_dtype: torch.dtype | None = torch.bfloat16
+        reduce_dtype: torch.dtype | None = None
+        output_dtype: torch.dtype | None = None
+        cast_forward_inputs: bool = True
+        param_dtype_override_fn: object = None
+
+    fn = _keep_fp32
+    assert normalize_mp_policy(Newer(param_dtype_override_fn=fn)).param_dtype_override_fn is fn
+    with pytest.raises(TypeError) as info:
+        normalize_mp_policy(Newer(param_dtype_override_fn=torch.float32))
+    assert str(info.value) == (
+        "fully_shard: argument 'mp_policy.param_dtype_override_fn' is a dtype, expected a callable taking a parameter, or None"
+    ), str(info.value)
