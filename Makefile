@@ -67,7 +67,7 @@ OLDEST := $(CURDIR)/.venv-oldest
 OLDEST_BUILD := $(CURDIR)/build/oldest
 RUNTIME_TESTS ?= test_optim_defaults.py test_fully_shard_parity.py test_fully_shard_state.py test_fully_shard_errors.py \
 	test_fully_shard_api.py test_trace.py test_dtensor.py test_compat.py \
-	test_fully_shard_example.py test_grouped_units.py test_memory.py test_mixed_dtypes.py
+	test_fully_shard_example.py test_grouped_units.py test_memory.py test_mixed_dtypes.py test_mp_override.py
 
 $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION):
 	test -x $(OLDEST)/bin/python || python3 -m venv $(OLDEST)
@@ -85,3 +85,26 @@ test-oldest: $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)
 
 clean:
 	rm -rf build *.egg-info fsdp_native/_C*.so
+
+# The newest supported torch: the same runtime tests on torch 2.15.0 (a CUDA build: PyPI has
+# no CPU build of it; it runs on CPU). It shares .venv-cuda with cuda-check (one 5 GB venv,
+# not two), adds the test tools, and builds its CPU-only extension into build/newest/lib.
+NEWEST_TORCH_VERSION ?= 2.15.0
+NEWEST := $(CURDIR)/.venv-cuda
+NEWEST_BUILD := $(CURDIR)/build/newest
+
+$(NEWEST)/.ready-tests-torch-$(NEWEST_TORCH_VERSION):
+	test -x $(NEWEST)/bin/python || python3 -m venv $(NEWEST)
+	$(NEWEST)/bin/pip install -q --upgrade pip setuptools wheel
+	# PIP_CONSTRAINT=/dev/null: the machine's pip configuration caps torch at 2.14.1.
+	PIP_CONSTRAINT=/dev/null $(NEWEST)/bin/pip install -q torch==$(NEWEST_TORCH_VERSION) ninja pybind11 pytest pytest-timeout \
+		hypothesis expecttest numpy matplotlib
+	touch $@
+
+.PHONY: test-newest
+test-newest: $(NEWEST)/.ready-tests-torch-$(NEWEST_TORCH_VERSION)
+	rm -rf $(NEWEST_BUILD)/lib
+	FORCE_CUDA=0 $(NEWEST)/bin/python setup.py -q build --build-base $(NEWEST_BUILD) --build-lib $(NEWEST_BUILD)/lib \
+		--build-temp $(NEWEST_BUILD)/temp
+	cd $(NEWEST_BUILD) && PYTHONPATH=$(NEWEST_BUILD)/lib $(NEWEST)/bin/python -m pytest -q -p no:cacheprovider \
+		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS))

@@ -104,7 +104,7 @@ class PlainCodec(Codec):
 
     def copy_out(self, unit, out: torch.Tensor | None) -> int:
         if out is None:  # deferred: cast the shards into the unsharded buffer
-            ops.all_gather_copy_in(unit.shard_views, self.layout.padded, unit.unsharded_flat)
+            ops.all_gather_copy_in(unit.shard_views, self.layout.unsharded_slots(), unit.unsharded_flat)
             return 0
         layout = self.layout
         if layout.ag_tail:

@@ -19,6 +19,11 @@ import torch.nn as nn
 from fsdp_native import _extension, ops
 
 
+# Alignment in bytes of every unsharded parameter in its unit's flat buffer (c10's CPU
+# allocator aligns each tensor to 64 bytes; CUDA's caching allocator to more).
+ALIGN = 64
+
+
 def itemsize_order(params: list[nn.Parameter], param_dtypes: list | None = None) -> list[int] | None:
     """The parameter order of a unit with several dtypes (largest element first, stable: by
     the original dtype, then by the unsharded one); None when they share one dtype and keep
@@ -71,11 +76,20 @@ class Layout:
         self.ag_padded = [n * d.itemsize for n, d in zip(self.padded, self.param_dtypes)] if self.gather_bytes else self.padded
         self.total_padded = sum(self.ag_padded)
         self.reduce_total = sum(self.padded)
-        self.unsharded_numel = (
-            sum(0 if e else n * d.itemsize for n, d, e in zip(self.numels, self.param_dtypes, self.ext))
-            if self.gather_bytes
-            else self.total_numel
-        )
+        # Each unsharded parameter starts at a multiple of ALIGN bytes of the flat buffer, as a
+        # tensor of its own would (torch FSDP2 allocates each one): some CPU kernels sum in
+        # an order that depends on the address (an fp32 Linear with one output row is one
+        # on AMD EPYC), so unaligned views would not compute torch's numbers bit for bit.
+        unit = 1 if self.gather_bytes else self.param_dtype.itemsize
+        step = max(ALIGN // unit, 1)
+        self.unsharded_offsets, offset = [], 0
+        for numel, d, e in zip(self.numels, self.param_dtypes, self.ext):
+            n = 0 if e else numel * d.itemsize if self.gather_bytes else numel
+            if n:
+                offset = -(-offset // step) * step
+            self.unsharded_offsets.append(offset)
+            offset += n
+        self.unsharded_numel = offset
         self.needs_cast = self.param_dtypes != self.orig_dtypes
         # A byte all-gather that casts (param_dtype_override_fn: some parameters keep their
         # dtype): runs of parameters with one unsharded dtype, each copied in by one cast,
@@ -122,10 +136,15 @@ class Layout:
         """(flat views the copy-out writes, bytes when the all-gather moves bytes; typed views
         of the parameters' shapes, None for a subclass parameter, whose unsharded tensor comes
         from its fsdp_post_all_gather)."""
-        plain, typed, offset = [], [], 0
-        for shape, numel, dtype, ext in zip(self.shapes, self.numels, self.param_dtypes, self.ext):
+        plain, typed = [], []
+        for shape, numel, dtype, ext, offset in zip(self.shapes, self.numels, self.param_dtypes, self.ext, self.unsharded_offsets):
             n = 0 if ext else numel * dtype.itemsize if self.gather_bytes else numel
             plain.append(flat[offset : offset + n])
             typed.append(None if ext else (plain[-1].view(dtype) if self.gather_bytes else plain[-1]).view(shape))
-            offset += n
         return plain, typed
+
+    def unsharded_slots(self) -> list[int]:
+        """Each parameter's span in the unsharded flat buffer, alignment gap after it
+        included (segment sizes for a copy-in straight into that buffer)."""
+        ends = self.unsharded_offsets[1:] + [self.unsharded_numel]
+        return [e - o for o, e in zip(self.unsharded_offsets, ends)]

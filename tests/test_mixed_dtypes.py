@@ -147,3 +147,42 @@ def test_mixed_gradient_dtypes_raise():
     if load_impl().name != "fsdp_native":
         pytest.skip("fsdp_native's own error message")
     run_distributed(_mixed_grads, 2)
+
+
+def _aligned(mp: str | None) -> None:
+    """Every unsharded parameter starts 64-byte aligned, as a tensor of its own (torch FSDP2's)
+    would: some CPU kernels sum in an address-dependent order (an fp32 Linear with one output
+    row on AMD EPYC), so views at any offset would not give torch's numbers bit for bit."""
+    impl = load_impl()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = Model(dim=7)
+    kw = dict(mesh=mesh)
+    if mp == "bf16":
+        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for b in model.blocks:
+        impl.fully_shard(b, **kw)
+    impl.fully_shard(model, **kw)
+    seen = []
+
+    def hook(mod, args):
+        for n, p in mod.named_parameters(recurse=False):
+            seen.append((f"{type(mod).__name__}.{n}", p.data_ptr() % 64))
+
+    for m in model.modules():
+        m.register_forward_pre_hook(hook)
+    model(torch.randn(3, 4)).float().sum().backward()
+    assert len(seen) == len(list(model.parameters())), seen
+    assert all(r == 0 for _, r in seen), [s for s in seen if s[1]]
+
+
+def _aligned_grid():
+    run_grid([dict(mp=None), dict(mp="bf16")], _aligned, name="aligned")
+
+
+def test_unsharded_params_aligned_ws2():
+    run_distributed(_aligned_grid, 2)
+
+
+def test_unsharded_params_aligned_ws1():
+    run_distributed(_aligned_grid, 1)
