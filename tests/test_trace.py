@@ -122,7 +122,9 @@ def _check_trace(model, rec, marks, *, ws, raf, mp, frozen, hsdp) -> None:
     units = sorted(shapes)
     with_grad = {u for u in units if not (frozen and u == "blocks.1")}
     param_dtype = mp.param_dtype or torch.float32
-    reduce_dtype = mp.reduce_dtype or param_dtype
+    # reduce_dtype=None: param_dtype before torch 2.15, the (fp32) original dtype from 2.15
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    reduce_dtype = mp.reduce_dtype or (torch.float32 if (major, minor) >= (2, 15) else param_dtype)
 
     # Well-formed spans.
     assert rec.spans, "no spans recorded"
@@ -205,7 +207,7 @@ def _body(*, raf, precision, frozen, hsdp, files=False):
     mp = {
         "fp32": fsdp_native.MixedPrecisionPolicy(),
         "bf16": fsdp_native.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        "bf16-reduce-bf16": fsdp_native.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        "bf16-reduce-none": fsdp_native.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
     }[precision]
     model = _shard(_model(), mesh, raf, mp, frozen)
     rec, marks = _traced_steps(model, fsdp_native.record_trace())
@@ -280,7 +282,7 @@ def _ws2() -> None:
     configs = grid(raf=[True, False], precision=["fp32"], frozen=[False], hsdp=[False])
     configs += [
         dict(raf=True, precision="bf16", frozen=True, hsdp=False, files=True),
-        dict(raf=False, precision="bf16-reduce-bf16", frozen=False, hsdp=False),
+        dict(raf=False, precision="bf16-reduce-none", frozen=False, hsdp=False),
     ]
     run_grid(configs, _body, name="trace ws2")
     run_grid([{}], _off_by_default_body, name="off by default")
