@@ -168,6 +168,24 @@ class MLPStack(nn.Module):
         return self.out(x)
 
 
+class BlockStack(nn.Module):
+    """``Linear(4, dim)``, then ``n`` blocks made by ``make_block()``, then ``Linear(dim, 1)``
+    (parameter names ``inp.*``, ``blocks.<i>.*``, ``out.*``): the small models of the
+    mixed-dtype tests."""
+
+    def __init__(self, make_block, dim: int, n: int):
+        super().__init__()
+        self.inp = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList(make_block() for _ in range(n))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
 # ---------------------------------------------------------------------------
 # Sharding / training configurations shared by the test files
 # ---------------------------------------------------------------------------

@@ -6,8 +6,7 @@ this file on the default torch and on the oldest supported one, ``make test-olde
   on ``torch.distributed`` at call time (a wrapper installed there sees the call).
 * ``DTENSOR_SUBCLASS_DISPATCH`` matches what this torch does: a DTensor subclass's own
   ``__torch_dispatch__`` is called, or is not.
-* A policy with torch 2.15's ``param_dtype_override_fn`` keeps it (``tests/test_mp_override.py``
-  tests what it does).
+* torch 2.15's ``param_dtype_override_fn`` and ``reduce_dtype=None`` rule: ``tests/test_mp_override.py``.
 * ``nn.Parameter`` of a ShardedDTensor is a ShardedDTensor (2.11 returned a plain DTensor from
   ``detach`` and refused), and the optimizer ops on it and its gradient stay ShardedDTensors.
 """
@@ -28,30 +27,6 @@ def test_version_parsing():
     assert _version("2.11.0+cu130") == (2, 11)
     assert _version("2.13.0") == (2, 13)
     assert _version("2.16.0.dev20260101+cpu") == (2, 16)
-
-
-def test_newer_mp_policy_fields_are_kept():
-    """torch 2.15's MixedPrecisionPolicy has param_dtype_override_fn; fsdp_native keeps it
-    rather than silently casting every parameter to param_dtype."""
-    import dataclasses
-
-    from fsdp_native._api import normalize_mp_policy
-
-    @dataclasses.dataclass(frozen=True)
-    class Newer:  # torch 2.15's fields, whatever torch is installed
-        param_dtype: torch.dtype | None = torch.bfloat16
-        reduce_dtype: torch.dtype | None = None
-        output_dtype: torch.dtype | None = None
-        cast_forward_inputs: bool = True
-        param_dtype_override_fn: object = None
-
-    assert normalize_mp_policy(Newer()).param_dtype == torch.bfloat16
-    assert normalize_mp_policy(Newer()).param_dtype_override_fn is None
-
-    def fn(p):
-        return None
-
-    assert normalize_mp_policy(Newer(param_dtype_override_fn=fn)).param_dtype_override_fn is fn
 
 
 def _collectives_body():

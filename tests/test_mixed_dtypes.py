@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import assert_close, full_params, load_impl, ref_impl, run_distributed, run_grid
+from models import BlockStack
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -44,18 +45,9 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
-class Model(nn.Module):
+class Model(BlockStack):
     def __init__(self, dim=10, n=2, rank=3, base_dtype=torch.bfloat16, trainable_base=False):
-        super().__init__()
-        self.inp = nn.Linear(4, dim)
-        self.blocks = nn.ModuleList(Block(dim, rank, base_dtype, trainable_base) for _ in range(n))
-        self.out = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.out(h)
+        super().__init__(lambda: Block(dim, rank, base_dtype, trainable_base), dim, n)
 
 
 def _train(impl, mesh, mp: str | None, reshard: bool, accum: int, dim: int, trainable_base: bool) -> dict:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import assert_close, full_params, load_impl, ref_impl, run_distributed, run_grid
+from models import BlockStack
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -60,18 +61,9 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.gate(self.up(x))))
 
 
-class Model(nn.Module):
+class Model(BlockStack):
     def __init__(self, dim: int = 6, n: int = 2):
-        super().__init__()
-        self.inp = nn.Linear(4, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
-        self.out = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.out(h)
+        super().__init__(lambda: Block(dim), dim, n)
 
 
 def _keep_fp32(p: nn.Parameter):
@@ -244,7 +236,7 @@ def test_bad_override_raises():
     run_distributed(_bad_overrides, 1)
 
 
-def test_override_must_be_callable():
+def test_override_kept_and_must_be_callable():
     from fsdp_native._api import normalize_mp_policy
 
     @dataclasses.dataclass(frozen=True)
@@ -255,7 +247,9 @@ def test_override_must_be_callable():
         cast_forward_inputs: bool = True
         param_dtype_override_fn: object = None
 
-    fn = _keep_fp32
+    assert normalize_mp_policy(Newer()).param_dtype == torch.bfloat16
+    assert normalize_mp_policy(Newer()).param_dtype_override_fn is None
+    fn = _keep_fp32  # kept, not dropped (which would cast every parameter to param_dtype)
     assert normalize_mp_policy(Newer(param_dtype_override_fn=fn)).param_dtype_override_fn is fn
     with pytest.raises(TypeError) as info:
         normalize_mp_policy(Newer(param_dtype_override_fn=torch.float32))
