@@ -383,6 +383,12 @@ def _worker_main(rank, world_size, tmpdir, wall_deadline, pg_timeout, fn, args, 
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        # A crash in a native thread (gloo's, say: issue 11's rare segfault) has no Python
+        # stack: c10's handler prints every thread's C++ frames to stderr (shown with the
+        # failure), then faulthandler's Python stacks follow in the stack file.
+        native_stacks = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+        if native_stacks is not None:
+            native_stacks(True)
         store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
         _CTX = WorkerContext(rank, world_size, tmpdir, store, q, pg_timeout)
         _init_pg(_CTX)

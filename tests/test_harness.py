@@ -41,3 +41,28 @@ def _stale_mesh_after_reinit() -> None:
 
 def test_dtensor_ops_see_new_meshes_after_reinit():
     run_distributed(_stale_mesh_after_reinit, 4)
+
+
+def _segfault_in_native_thread() -> None:
+    """Rank 0 faults in a thread without a Python stack, as the rare gloo crash did."""
+    import ctypes
+    import threading
+    import time
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        threading.Thread(target=ctypes.string_at, args=(0,), daemon=True).start()
+        time.sleep(30)
+    dist.barrier()
+
+
+def test_native_crash_is_reported_with_cpp_stacks(capfd):
+    """A segfault is reported as the rank's death, with every thread's C++ frames (c10's fatal
+    signal handler) so a crash in gloo's threads says where it was."""
+    import pytest
+
+    with pytest.raises(pytest.fail.Exception) as info:
+        run_distributed(_segfault_in_native_thread, 2, timeout=60)
+    assert "rank 0 died with exit code -11" in str(info.value), str(info.value)
+    err = capfd.readouterr().err
+    assert "SIGSEGV(11), PID:" in err and "frame #0:" in err, err[-2000:]
