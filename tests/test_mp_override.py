@@ -70,7 +70,7 @@ def _keep_fp32(p: nn.Parameter):
     return torch.float32 if getattr(p, "_keep_fp32", False) else None
 
 
-def _train(impl, mesh, variant: str, accum: int, reduce_dtype, steps: int = 3) -> dict:
+def _train(impl, mesh, variant: str, accum: int, reduce_dtype, steps: int = 3, policy_cls=None) -> dict:
     """variant: 'override' (one unit per block, the override keeps the Gate's parameters in
     fp32), 'split' (the Gate in a unit of its own with param_dtype=None), 'plain' (bf16
     everywhere)."""
@@ -78,9 +78,10 @@ def _train(impl, mesh, variant: str, accum: int, reduce_dtype, steps: int = 3) -
     model = Model()
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     kw = dict(mesh=mesh)
+    policy_cls = policy_cls or impl.MixedPrecisionPolicy
     for b in model.blocks:
         if variant == "override":
-            impl.fully_shard(b, mp_policy=impl.MixedPrecisionPolicy(**bf16, param_dtype_override_fn=_keep_fp32), **kw)
+            impl.fully_shard(b, mp_policy=policy_cls(**bf16, param_dtype_override_fn=_keep_fp32), **kw)
         else:
             if variant == "split":
                 impl.fully_shard(b.gate, mp_policy=impl.MixedPrecisionPolicy(reduce_dtype=reduce_dtype), **kw)
@@ -128,6 +129,9 @@ def _check_override(accum: int, mesh_kind: str = "1d") -> None:
     if _torch_has_override():
         ref = _train(torch_impl, mesh, "override", accum, None)
         _same(f"[{impl.name} override vs torch override, accum={accum}, {mesh_kind}]", got, ref)
+        # torch 2.15's own policy object, handed to fsdp_native as it is
+        theirs = _train(impl, mesh, "override", accum, None, policy_cls=torch_impl.MixedPrecisionPolicy)
+        _same(f"[{impl.name} with torch's policy object, accum={accum}, {mesh_kind}]", theirs, ref)
 
 
 def _unsharded_dtypes() -> None:
