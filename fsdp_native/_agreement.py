@@ -19,7 +19,6 @@ groups), so every rank builds the same message from the same data.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import hashlib
 
@@ -95,7 +94,7 @@ def _mp_repr(u) -> str:
     if u.mp.param_dtype_override_fn is None:
         return repr(u.mp)
     dtypes = [str(d).replace("torch.", "") for d in u.layout.param_dtypes]
-    return f"{dataclasses.replace(u.mp, param_dtype_override_fn=None)!r} with param_dtype_override_fn giving {dtypes}"
+    return f"{u.mp!r} with param_dtype_override_fn giving {dtypes}"
 
 
 def _show(path: str) -> str:

@@ -30,7 +30,9 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
-    param_dtype_override_fn: Callable[[torch.nn.Parameter], torch.dtype | None] | None = field(default=None, kw_only=True)
+    # Not in the repr: a function's repr holds its address (differs across ranks), and the
+    # repr stays torch 2.13's for policies without one.
+    param_dtype_override_fn: Callable[[torch.nn.Parameter], torch.dtype | None] | None = field(default=None, kw_only=True, repr=False)
 
 
 @dataclass(frozen=True)

@@ -260,3 +260,35 @@ def test_override_kept_and_must_be_callable():
     assert str(info.value) == (
         "fully_shard: argument 'mp_policy.param_dtype_override_fn' is a dtype, expected a callable taking a parameter, or None"
     ), str(info.value)
+
+
+def _keep_nothing(p: nn.Parameter):
+    return None
+
+
+def _override_differs_across_ranks() -> None:
+    """The structure check (first forward) compares the dtypes the override chose, not the
+    function: a rank whose override keeps nothing in fp32 makes every rank raise."""
+    from fsdp_native import MixedPrecisionPolicy, fully_shard
+
+    fn = _keep_fp32 if dist.get_rank() == 0 else _keep_nothing
+    torch.manual_seed(0)
+    model = Model(n=1)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=fn)
+    fully_shard(model.blocks[0], mp_policy=mp, mesh=_mesh("1d"))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), mesh=_mesh("1d"))
+    with pytest.raises(ValueError) as info:
+        model(torch.randn(2, 4))
+    msg = str(info.value)
+    policy = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True)"
+    assert (
+        f"'blocks.0': mp_policy is {policy} with param_dtype_override_fn giving ['float32', 'float32', 'bfloat16', "
+        f"'bfloat16', 'bfloat16', 'bfloat16'] on ranks [0] but {policy} with param_dtype_override_fn giving "
+        "['bfloat16', 'bfloat16', 'bfloat16', 'bfloat16', 'bfloat16', 'bfloat16'] on ranks [1]"
+    ) in msg, msg
+
+
+def test_override_mismatch_across_ranks_raises():
+    if load_impl().name != "fsdp_native":
+        pytest.skip("fsdp_native's structure check")
+    run_distributed(_override_differs_across_ranks, 2)
