@@ -19,7 +19,6 @@ groups), so every rank builds the same message from the same data.
 """
 from __future__ import annotations
 
-
 import hashlib
 
 import torch
