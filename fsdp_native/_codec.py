@@ -96,15 +96,14 @@ class PlainCodec(Codec):
             ops.all_gather_copy_in(shards, layout.padded, inp)
             return
         # Bytes with several unsharded dtypes: one casting copy-in per run of one dtype.
-        for first, end, dtype, offset in layout.cast_runs:
-            nbytes = sum(layout.ag_padded[first:end])
+        for first, end, dtype, offset, nbytes in layout.cast_runs:
             ops.all_gather_copy_in(shards[first:end], layout.padded[first:end], inp.narrow(0, offset, nbytes).view(dtype))
         if layout.ag_tail:
             inp.narrow(0, layout.total_padded - layout.ag_tail, layout.ag_tail).zero_()
 
     def copy_out(self, unit, out: torch.Tensor | None) -> int:
         if out is None:  # deferred: cast the shards into the unsharded buffer
-            ops.all_gather_copy_in(unit.shard_views, self.layout.unsharded_slots(), unit.unsharded_flat)
+            ops.all_gather_copy_in(unit.shard_views, self.layout.unsharded_slots, unit.unsharded_flat)
             return 0
         layout = self.layout
         if layout.ag_tail:

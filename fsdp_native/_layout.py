@@ -51,7 +51,8 @@ class Layout:
             and the chunk's length (with ``ag_tail`` bytes of tail padding after the last
             parameter when casts into several dtypes need every chunk aligned).
         reduce_total: reduce-scatter elements per rank.
-        unsharded_numel: length of the unsharded flat buffer.
+        unsharded_numel, unsharded_offsets, unsharded_slots: length of the unsharded flat
+            buffer, where each parameter starts in it (ALIGN-byte aligned) and its span.
         needs_cast: whether the plain all-gather casts the shards.
     """
 
@@ -90,11 +91,14 @@ class Layout:
             self.unsharded_offsets.append(offset)
             offset += n
         self.unsharded_numel = offset
+        # Each parameter's span in that buffer, alignment gap after it included (segment sizes
+        # for a copy-in straight into it).
+        self.unsharded_slots = [e - o for o, e in zip(self.unsharded_offsets, self.unsharded_offsets[1:] + [offset])]
         self.needs_cast = self.param_dtypes != self.orig_dtypes
         # A byte all-gather that casts (param_dtype_override_fn: some parameters keep their
         # dtype): runs of parameters with one unsharded dtype, each copied in by one cast,
-        # as (first, end, dtype, byte offset in a rank's chunk).
-        self.cast_runs: list[tuple[int, int, torch.dtype, int]] = []
+        # as (first, end, dtype, byte offset in a rank's chunk, bytes).
+        self.cast_runs: list[tuple[int, int, torch.dtype, int, int]] = []
         self.ag_tail = 0
         if self.gather_bytes and self.needs_cast and not self.has_ext:
             offset = 0
@@ -105,10 +109,10 @@ class Layout:
                         "in the all-gather buffer"
                     )
                 if self.cast_runs and self.cast_runs[-1][2] == d:
-                    first, _, _, start = self.cast_runs[-1]
-                    self.cast_runs[-1] = (first, i + 1, d, start)
+                    first, _, _, start, run = self.cast_runs[-1]
+                    self.cast_runs[-1] = (first, i + 1, d, start, run + nbytes)
                 else:
-                    self.cast_runs.append((i, i + 1, d, offset))
+                    self.cast_runs.append((i, i + 1, d, offset, nbytes))
                 offset += nbytes
             # Every rank's chunk starts aligned for the widest dtype: tail padding.
             self.ag_tail = -self.total_padded % 8
@@ -142,9 +146,3 @@ class Layout:
             plain.append(flat[offset : offset + n])
             typed.append(None if ext else (plain[-1].view(dtype) if self.gather_bytes else plain[-1]).view(shape))
         return plain, typed
-
-    def unsharded_slots(self) -> list[int]:
-        """Each parameter's span in the unsharded flat buffer, alignment gap after it
-        included (segment sizes for a copy-in straight into that buffer)."""
-        ends = self.unsharded_offsets[1:] + [self.unsharded_numel]
-        return [e - o for o, e in zip(self.unsharded_offsets, ends)]
