@@ -106,11 +106,8 @@ class PlainCodec(Codec):
             ops.all_gather_copy_in(unit.shard_views, self.layout.unsharded_slots, unit.unsharded_flat)
             return 0
         layout = self.layout
-        if layout.ag_tail:
-            empty = out.new_empty(0)
-            ops.all_gather_copy_out(out, layout.ag_padded + [layout.ag_tail], layout.world_size, unit._unsharded_plain + [empty])
-        else:
-            ops.all_gather_copy_out(out, layout.ag_padded, layout.world_size, unit._unsharded_plain)
+        outs = unit._unsharded_plain + [out[:0]] if layout.ag_tail else unit._unsharded_plain
+        ops.all_gather_copy_out(out, layout.ag_segments, layout.world_size, outs)
         return 0
 
 

@@ -64,7 +64,6 @@ class Layout:
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.padded = [ops.padded_shard_numel(s, ws) for s in self.shapes]
-        self.total_numel = sum(self.numels)
         self.orig_dtypes = [p.dtype for p in params]
         requested = param_dtype if isinstance(param_dtype, list) else [param_dtype] * len(params)
         self.param_dtypes = [r or d for r, d in zip(requested, self.orig_dtypes)]
@@ -117,6 +116,8 @@ class Layout:
             # Every rank's chunk starts aligned for the widest dtype: tail padding.
             self.ag_tail = -self.total_padded % 8
             self.total_padded += self.ag_tail
+        # The copy-out's segments of a rank's chunk (the tail as one more, written nowhere).
+        self.ag_segments = self.ag_padded + [self.ag_tail] if self.ag_tail else self.ag_padded
 
     def local_rows(self, shape: torch.Size) -> int:
         rows = -(-shape[0] // self.world_size)
