@@ -218,6 +218,25 @@ def test_non_finite_and_zero_rules():
         assert (out[seg.scale_offset : seg.scale_offset + 4 * seg.n_scales].view(f32) == 1).all()
 
 
+@pytest.mark.parametrize("src", FLOATS, ids=str)
+def test_rowwise_finite_and_non_finite_rows_in_one_call(src):
+    """fp8_rowwise picks per row: a row without inf or NaN takes the encode without the
+    non-finite fix-up, a row with one the full encode. Rows long enough for the vector loops,
+    each kind next to the other, with the non-finite value at the start, middle or end."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 320, generator=gen) * 5
+    x[1, 0], x[3, 161], x[5, 319], x[6, 64] = float("nan"), float("inf"), -float("inf"), float("nan")
+    x[6, 300] = float("inf")
+    x = x.to(src)
+    padded, rows = x.numel(), 320
+    out = torch.empty(Q.unit_layout([padded], [rows], "fp8_rowwise").rank_nbytes, dtype=torch.uint8)
+    torch.ops.fsdp_native.quantize_copy_in([x.reshape(-1)], [padded], [rows], "fp8_rowwise", 64, None, out)
+    assert torch.equal(out, R.quantize([x.reshape(-1)], [padded], [rows], "fp8_rowwise", 64, None))
+    codes = out[:padded].view(8, 320)
+    assert codes[1, 0].item() == 0x7F and codes[3, 161].item() == 0x7F and codes[5, 319].item() == 0x7F  # e4m3fn has no inf: both signs take the NaN code
+    finite_rows = [0, 2, 4, 7]
+    assert ((codes[finite_rows] & 0x7F) != 0x7F).all()  # no NaN code in a finite row
+
 def test_tiny_amax_scale_floor():
     """An amax below 448 * 2^-126 gives the scale 2^-126, so x / scale stays finite."""
     x = torch.tensor([1e-44, -3e-45, 0.0, 1e-42])

@@ -378,13 +378,16 @@ constexpr int kFixupNonFinite = 0x00ee00ee;
 
 // Codes of 16 floats x (times inv) in the low byte of each lane, without the sign; 0xff where
 // x is not finite. `Clamp`: |x * inv| may exceed 448 (a given amax); without it, |x * inv| < 464
-// (the scale from the finite amax: 448 (1 + 2^-21) at most), whose code is 448's.
-template <bool Clamp>
+// (the scale from the finite amax: 448 (1 + 2^-21) at most), whose code is 448's. `Finite`: the
+// caller knows every x is finite (a row whose amax pass saw no inf or NaN), so the non-finite
+// fix-up is left out (the codes of finite x are the same: at most 0x7e).
+template <bool Clamp, bool Finite = false>
 FSDPN_X512 FSDPN_INLINE __m512i fp8_codes16(__m512 x, __m512 inv, __m512 tlo, __m512 thi) {
   __m512 q = _mm512_mul_ps(x, inv);
   if constexpr (Clamp) q = _mm512_range_ps(q, _mm512_set1_ps(kE4M3Max), 0x0A);  // min(|q|, 448)
   const __m512 a = _mm512_range_ps(q, _mm512_set1_ps(0x1p-23f), 0x0B);          // max(|q|, 2^-23)
   const __m512 s = _mm512_add_ps(a, _mm512_permutex2var_ps(tlo, _mm512_srli_epi32(_mm512_castps_si512(a), 23), thi));
+  if constexpr (Finite) return _mm512_castps_si512(s);
   return _mm512_castps_si512(_mm512_fixupimm_ps(s, x, _mm512_set1_epi32(kFixupNonFinite), 0));
 }
 
@@ -395,7 +398,7 @@ FSDPN_X512 FSDPN_INLINE __m512i fp8_sign(__m512i c, __m512i h) {
 }
 
 // `pf`: where to prefetch, one source-sized stride ahead of each element (the next row).
-template <typename S, bool Clamp>
+template <typename S, bool Clamp, bool Finite = false>
 FSDPN_X512 void fp8_encode_x512(const void* src, int64_t n, float inv_scale, uint8_t* d, const char* pf = nullptr) {
   const S* s = static_cast<const S*>(src);
   const int64_t pf_off = pf == nullptr ? 0 : pf - static_cast<const char*>(src);
@@ -425,10 +428,10 @@ FSDPN_X512 void fp8_encode_x512(const void* src, int64_t n, float inv_scale, uin
         _mm_prefetch(reinterpret_cast<const char*>(s + i) + pf_off + 64, _MM_HINT_T0);
       }
       const __m512i a = _mm512_loadu_si512(s + i), b = _mm512_loadu_si512(s + i + 32);
-      const __m512i a0 = fp8_codes16<Clamp>(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), inv, tlo, thi);
-      const __m512i a1 = fp8_codes16<Clamp>(_mm512_castsi512_ps(_mm512_and_si512(a, high)), inv, tlo, thi);
-      const __m512i b0 = fp8_codes16<Clamp>(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), inv, tlo, thi);
-      const __m512i b1 = fp8_codes16<Clamp>(_mm512_castsi512_ps(_mm512_and_si512(b, high)), inv, tlo, thi);
+      const __m512i a0 = fp8_codes16<Clamp, Finite>(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), inv, tlo, thi);
+      const __m512i a1 = fp8_codes16<Clamp, Finite>(_mm512_castsi512_ps(_mm512_and_si512(a, high)), inv, tlo, thi);
+      const __m512i b0 = fp8_codes16<Clamp, Finite>(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), inv, tlo, thi);
+      const __m512i b1 = fp8_codes16<Clamp, Finite>(_mm512_castsi512_ps(_mm512_and_si512(b, high)), inv, tlo, thi);
       const __m512i c = _mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi8(a0, idx, a1), _mm512_permutex2var_epi8(b0, idx, b1));
       _mm512_storeu_si512(d + i, fp8_sign(c, _mm512_permutex2var_epi8(a, idx_high, b)));
     }
@@ -449,7 +452,7 @@ FSDPN_X512 void fp8_encode_x512(const void* src, int64_t n, float inv_scale, uin
       for (int j = 0; j < 4; ++j) {
         if (pf_off != 0) _mm_prefetch(reinterpret_cast<const char*>(s + i + 16 * j) + pf_off, _MM_HINT_T0);
         x[j] = _mm512_loadu_si512(s + i + 16 * j);
-        c[j] = fp8_codes16<Clamp>(_mm512_castsi512_ps(x[j]), inv, tlo, thi);
+        c[j] = fp8_codes16<Clamp, Finite>(_mm512_castsi512_ps(x[j]), inv, tlo, thi);
       }
       const __m512i h = _mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi8(x[0], idx_high, x[1]),
                                                 _mm512_permutex2var_epi8(x[2], idx_high, x[3]));
@@ -459,7 +462,7 @@ FSDPN_X512 void fp8_encode_x512(const void* src, int64_t n, float inv_scale, uin
   }
   for (; i + 16 <= n; i += 16) {
     const __m512i xb = load16_bits(s + i);
-    const __m512i c = fp8_sign(fp8_codes16<Clamp>(_mm512_castsi512_ps(xb), inv, tlo, thi), _mm512_srli_epi32(xb, 24));
+    const __m512i c = fp8_sign(fp8_codes16<Clamp, Finite>(_mm512_castsi512_ps(xb), inv, tlo, thi), _mm512_srli_epi32(xb, 24));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm512_cvtepi32_epi8(c));
   }
   for (; i < n; ++i) d[i] = fp8_encode(to_float(s[i]), inv_scale);
@@ -512,18 +515,67 @@ FSDPN_X512 void fp8_encode_x512_fn(const void* src, int64_t n, float inv_scale, 
   fp8_encode_x512<S, Clamp>(src, n, inv_scale, d);
 }
 
+FSDPN_X512 FSDPN_INLINE uint32_t hmax_epu16(__m512i m) {
+  const __m256i m2 = _mm256_max_epu16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1));
+  const __m128i m4 = _mm_max_epu16(_mm256_castsi256_si128(m2), _mm256_extracti128_si256(m2, 1));
+  return 0xffffu & ~static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(m4, _mm_set1_epi32(-1)))));
+}
+
+// Largest |x| bits over all x, inf and NaN included (at or above 0x7f800000 if the range has
+// one): one AND and one max per vector, against max_finite_abs_x512_*'s three ops.
+FSDPN_X512 uint32_t max_abs_x512_bf16(const void* src, int64_t n) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  const __m512i abs = _mm512_set1_epi16(0x7fff);
+  __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_loadu_si512(s + i), abs));
+    m1 = _mm512_max_epu16(m1, _mm512_and_si512(_mm512_loadu_si512(s + i + 32), abs));
+  }
+  for (; i < n; i += 32) {  // zeros past the end count as +0
+    const __m512i a = _mm512_maskz_loadu_epi16(n - i >= 32 ? ~__mmask32{0} : (__mmask32{1} << (n - i)) - 1, s + i);
+    m0 = _mm512_max_epu16(m0, _mm512_and_si512(a, abs));
+  }
+  return hmax_epu16(_mm512_max_epu16(m0, m1)) << 16;
+}
+
+FSDPN_X512 uint32_t max_abs_x512_float(const void* src, int64_t n) {
+  const uint32_t* s = static_cast<const uint32_t*>(src);
+  const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+  __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(s + i), abs));
+    m1 = _mm512_max_epu32(m1, _mm512_and_si512(_mm512_loadu_si512(s + i + 16), abs));
+  }
+  for (; i < n; i += 16) {
+    const __m512i a = _mm512_maskz_loadu_epi32(n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1), s + i);
+    m0 = _mm512_max_epu32(m0, _mm512_and_si512(a, abs));
+  }
+  return _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
+}
+
 // fp8_rowwise over `rows` whole rows of `row` elements: each row's amax, scale and codes, the
 // next row prefetched while this one is encoded (the amax pass then reads it from the cache).
+// A row without inf or NaN (the common case) takes the cheaper amax pass and the encode without
+// the non-finite fix-up; a row with one, the finite amax pass and the full encode.
 template <typename S>
 FSDPN_X512 void fp8_rows_x512(const void* src, int64_t row, int64_t rows, uint8_t* codes, uint8_t* scales) {
+  constexpr bool kFloat = std::is_same<S, float>::value;
   const S* s = static_cast<const S*>(src);
   for (int64_t r = 0; r < rows; ++r) {
     const S* x = s + r * row;
-    const uint32_t amax = std::is_same<S, float>::value ? max_finite_abs_x512_float(x, row) : max_finite_abs_x512_bf16(x, row);
+    const char* pf = r + 1 < rows ? reinterpret_cast<const char*>(x + row) : nullptr;
+    uint32_t amax = kFloat ? max_abs_x512_float(x, row) : max_abs_x512_bf16(x, row);
+    const bool finite = amax < 0x7f800000u;
+    if (!finite) amax = kFloat ? max_finite_abs_x512_float(x, row) : max_finite_abs_x512_bf16(x, row);
     const float scale = fp8_scale(bits_float(amax));
     std::memcpy(scales + 4 * r, &scale, 4);
-    fp8_encode_x512<S, false>(x, row, 1.0f / scale, codes + r * row,
-                              r + 1 < rows ? reinterpret_cast<const char*>(x + row) : nullptr);
+    if (finite) {
+      fp8_encode_x512<S, false, true>(x, row, 1.0f / scale, codes + r * row, pf);
+    } else {
+      fp8_encode_x512<S, false>(x, row, 1.0f / scale, codes + r * row, pf);
+    }
   }
 }
 
@@ -599,11 +651,6 @@ FSDPN_X512 FSDPN_INLINE __m512i nf4_group32(const S* x, __m512 inv, const Nf4Reg
                           nf4_codes16x(_mm512_mul_ps(xo, inv), t.mid, t.c_lo, t.c_hi, _mm512_set1_epi32(1)));
 }
 
-FSDPN_X512 FSDPN_INLINE uint32_t hmax_epu16(__m512i m) {
-  const __m256i m2 = _mm256_max_epu16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1));
-  const __m128i m4 = _mm_max_epu16(_mm256_castsi256_si128(m2), _mm256_extracti128_si256(m2, 1));
-  return 0xffffu & ~static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(m4, _mm_set1_epi32(-1)))));
-}
 
 // NF4 blocks as nf4_blocks_loop; whole blocks of 32 or more elements here, 32 at a time: the
 // even and odd elements in separate registers, so that one lane holds both codes of a byte.
