@@ -510,9 +510,9 @@ FSDPN_X512 uint32_t max_finite_abs_x512_float(const void* src, int64_t n) {
   return r < 0x01000000u ? 0u : (r - 0x01000000u) >> 1;
 }
 
-template <typename S, bool Clamp>
+template <typename S, bool Clamp, bool Finite = false>
 FSDPN_X512 void fp8_encode_x512_fn(const void* src, int64_t n, float inv_scale, uint8_t* d) {
-  fp8_encode_x512<S, Clamp>(src, n, inv_scale, d);
+  fp8_encode_x512<S, Clamp, Finite>(src, n, inv_scale, d);
 }
 
 FSDPN_X512 FSDPN_INLINE uint32_t hmax_epu16(__m512i m) {
@@ -797,6 +797,9 @@ struct SrcFns {
   void (*nf4_blocks)(const void*, int64_t, int64_t, int64_t, int64_t, uint8_t*, uint8_t*);
   // fp8_rowwise over whole rows (src, row, rows, codes, scales), or null
   void (*fp8_rows)(const void*, int64_t, int64_t, uint8_t*, uint8_t*) = nullptr;
+  // Largest |x| bits, inf and NaN included, and fp8_encode_bounded for finite x only; or null
+  uint32_t (*max_abs)(const void*, int64_t) = nullptr;
+  void (*fp8_encode_finite)(const void*, int64_t, float, uint8_t*) = nullptr;
 };
 struct DstFns {
   void (*fp8_decode)(const uint8_t*, int64_t, float, void*);
@@ -839,11 +842,13 @@ SrcFns src_fns(at::ScalarType t) {
   switch (t) {
 #if FSDPN_QUANT_X86
     case at::kFloat:
-      if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_x512<float>, fp8_rows_x512<float>};
+      if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_x512<float>, fp8_rows_x512<float>,
+                                  max_abs_x512_float, fp8_encode_x512_fn<float, false, true>};
       if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
       return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
-      if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_x512<bf16_t>, fp8_rows_x512<bf16_t>};
+      if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_x512<bf16_t>, fp8_rows_x512<bf16_t>,
+                                  max_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, false, true>};
       if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
       return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
@@ -909,15 +914,17 @@ const char* elem_ptr(const QuantParam& p, int64_t i) {
   return static_cast<const char*>(p.data) + i * static_cast<int64_t>(c10::elementSize(p.dtype));
 }
 
-// amax over the finite values of each parameter, as float bits, in one parallel pass.
-std::vector<float> finite_amax(const std::vector<QuantParam>& params) {
+// amax over the finite values of each parameter, as float bits, in one parallel pass; with
+// `any_abs`, the largest |x| over all values (inf and NaN included) where the kernels have it.
+std::vector<float> finite_amax(const std::vector<QuantParam>& params, bool any_abs = false) {
   std::vector<Task> tasks;
   for (size_t i = 0; i < params.size(); ++i) add_tasks(tasks, i, 0, params[i].numel, 64);
   std::vector<uint32_t> partial(tasks.size(), 0);
   const Task* first = tasks.data();
   run_tasks(tasks, [&](const Task& k) {
     const QuantParam& p = params[k.param];
-    partial[&k - first] = src_fns(p.dtype).max_finite_abs(elem_ptr(p, k.lo), k.hi - k.lo);
+    const SrcFns fns = src_fns(p.dtype);
+    partial[&k - first] = (any_abs && fns.max_abs != nullptr ? fns.max_abs : fns.max_finite_abs)(elem_ptr(p, k.lo), k.hi - k.lo);
   });
   std::vector<uint32_t> bits(params.size(), 0);
   for (size_t t = 0; t < tasks.size(); ++t) bits[tasks[t].param] = std::max(bits[tasks[t].param], partial[t]);
@@ -932,7 +939,8 @@ void zero_gaps(uint8_t* seg, const SegmentLayout& l) {
   std::memset(seg + scales_end, 0, static_cast<size_t>(l.nbytes - scales_end));
 }
 
-void quantize_task(const QuantizePlan& plan, const Task& k) {
+// `finite`: fp8_tensorwise with the scale from this rank's data, whose shard has no inf or NaN.
+void quantize_task(const QuantizePlan& plan, const Task& k, bool finite = false) {
   const QuantParam& p = plan.params[k.param];
   uint8_t* seg = plan.out + p.offset;
   uint8_t* scales = seg + p.layout.scale_offset;
@@ -946,7 +954,8 @@ void quantize_task(const QuantizePlan& plan, const Task& k) {
   const bool bounded = plan.fmt == kFp8Rowwise || plan.amax == nullptr;  // scales from the data
   auto encode = [&](int64_t lo, int64_t hi, float scale) {
     const int64_t valid_hi = std::min(hi, p.numel);
-    if (valid_hi > lo) (bounded ? fns.fp8_encode_bounded : fns.fp8_encode)(elem_ptr(p, lo), valid_hi - lo, 1.0f / scale, seg + lo);
+    auto* fn = finite && fns.fp8_encode_finite != nullptr ? fns.fp8_encode_finite : bounded ? fns.fp8_encode_bounded : fns.fp8_encode;
+    if (valid_hi > lo) fn(elem_ptr(p, lo), valid_hi - lo, 1.0f / scale, seg + lo);
     const int64_t z = std::max(lo, valid_hi);
     if (hi > z) std::memset(seg + z, 0, static_cast<size_t>(hi - z));  // 0x00 encodes +0
   };
@@ -982,12 +991,17 @@ void quantize_copy_in_cpu(at::TensorList shards, at::IntArrayRef padded_numels,
     for (size_t i = 0; i < plan.params.size(); ++i) {
       const QuantParam& p = plan.params[i];
       if (p.layout.nbytes == 0) continue;
-      const float scale = fp8_scale(finite_amax({p})[0]);
+      // The cheaper pass over every |x| first: below inf, the shard is finite (the common
+      // case) and its encode needs no non-finite fix-up; else the finite amax pass.
+      float amax = finite_amax({p}, /*any_abs=*/true)[0];
+      const bool finite = std::isfinite(amax);
+      if (!finite) amax = finite_amax({p})[0];
+      const float scale = fp8_scale(amax);
       std::memcpy(plan.out + p.offset + p.layout.scale_offset, &scale, 4);
       zero_gaps(plan.out + p.offset, p.layout);
       std::vector<Task> tasks;
       add_tasks(tasks, i, 0, p.padded, task_unit(plan.fmt, p, plan.block));
-      run_tasks(tasks, [&](const Task& k) { quantize_task(plan, k); });
+      run_tasks(tasks, [&](const Task& k) { quantize_task(plan, k, finite); });
     }
     return;
   }
