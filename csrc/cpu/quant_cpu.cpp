@@ -522,36 +522,34 @@ FSDPN_X512 FSDPN_INLINE uint32_t hmax_epu16(__m512i m) {
 }
 
 // Largest |x| bits over all x, inf and NaN included (at or above 0x7f800000 if the range has
-// one): one AND and one max per vector, against max_finite_abs_x512_*'s three ops.
-FSDPN_X512 uint32_t max_abs_x512_bf16(const void* src, int64_t n) {
-  const uint16_t* s = static_cast<const uint16_t*>(src);
-  const __m512i abs = _mm512_set1_epi16(0x7fff);
-  __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    m0 = _mm512_max_epu16(m0, _mm512_and_si512(_mm512_loadu_si512(s + i), abs));
-    m1 = _mm512_max_epu16(m1, _mm512_and_si512(_mm512_loadu_si512(s + i + 32), abs));
-  }
-  for (; i < n; i += 32) {  // zeros past the end count as +0
-    const __m512i a = _mm512_maskz_loadu_epi16(n - i >= 32 ? ~__mmask32{0} : (__mmask32{1} << (n - i)) - 1, s + i);
-    m0 = _mm512_max_epu16(m0, _mm512_and_si512(a, abs));
-  }
-  return hmax_epu16(_mm512_max_epu16(m0, m1)) << 16;
+// one): one AND and one max per vector, against max_finite_abs_x512_*'s three ops. bf16 in
+// 16-bit lanes (the result shifted to float bits), float in 32-bit lanes.
+template <typename S>
+FSDPN_X512 FSDPN_INLINE __m512i max_abs_step(__m512i m, __m512i x) {
+  if constexpr (std::is_same<S, bf16_t>::value) return _mm512_max_epu16(m, _mm512_and_si512(x, _mm512_set1_epi16(0x7fff)));
+  return _mm512_max_epu32(m, _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)));
 }
 
-FSDPN_X512 uint32_t max_abs_x512_float(const void* src, int64_t n) {
-  const uint32_t* s = static_cast<const uint32_t*>(src);
-  const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+template <typename S>
+FSDPN_X512 uint32_t max_abs_x512(const void* src, int64_t n) {
+  constexpr bool kBf16 = std::is_same<S, bf16_t>::value;
+  constexpr int64_t kLanes = kBf16 ? 32 : 16;
+  const S* s = static_cast<const S*>(src);
   __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    m0 = _mm512_max_epu32(m0, _mm512_and_si512(_mm512_loadu_si512(s + i), abs));
-    m1 = _mm512_max_epu32(m1, _mm512_and_si512(_mm512_loadu_si512(s + i + 16), abs));
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    m0 = max_abs_step<S>(m0, _mm512_loadu_si512(s + i));
+    m1 = max_abs_step<S>(m1, _mm512_loadu_si512(s + i + kLanes));
   }
-  for (; i < n; i += 16) {
-    const __m512i a = _mm512_maskz_loadu_epi32(n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1), s + i);
-    m0 = _mm512_max_epu32(m0, _mm512_and_si512(a, abs));
+  for (; i < n; i += kLanes) {  // zeros past the end count as +0
+    const int64_t left = n - i;
+    if constexpr (kBf16) {
+      m0 = max_abs_step<S>(m0, _mm512_maskz_loadu_epi16(left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1, s + i));
+    } else {
+      m0 = max_abs_step<S>(m0, _mm512_maskz_loadu_epi32(left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1), s + i));
+    }
   }
+  if constexpr (kBf16) return hmax_epu16(_mm512_max_epu16(m0, m1)) << 16;
   return _mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1));
 }
 
@@ -566,7 +564,7 @@ FSDPN_X512 void fp8_rows_x512(const void* src, int64_t row, int64_t rows, uint8_
   for (int64_t r = 0; r < rows; ++r) {
     const S* x = s + r * row;
     const char* pf = r + 1 < rows ? reinterpret_cast<const char*>(x + row) : nullptr;
-    uint32_t amax = kFloat ? max_abs_x512_float(x, row) : max_abs_x512_bf16(x, row);
+    uint32_t amax = max_abs_x512<S>(x, row);
     const bool finite = amax < 0x7f800000u;
     if (!finite) amax = kFloat ? max_finite_abs_x512_float(x, row) : max_finite_abs_x512_bf16(x, row);
     const float scale = fp8_scale(bits_float(amax));
@@ -843,12 +841,12 @@ SrcFns src_fns(at::ScalarType t) {
 #if FSDPN_QUANT_X86
     case at::kFloat:
       if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_x512<float>, fp8_rows_x512<float>,
-                                  max_abs_x512_float, fp8_encode_x512_fn<float, false, true>};
+                                  max_abs_x512<float>, fp8_encode_x512_fn<float, false, true>};
       if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
       return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
       if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_x512<bf16_t>, fp8_rows_x512<bf16_t>,
-                                  max_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, false, true>};
+                                  max_abs_x512<bf16_t>, fp8_encode_x512_fn<bf16_t, false, true>};
       if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
       return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
