@@ -237,6 +237,7 @@ def test_rowwise_finite_and_non_finite_rows_in_one_call(src):
     finite_rows = [0, 2, 4, 7]
     assert ((codes[finite_rows] & 0x7F) != 0x7F).all()  # no NaN code in a finite row
 
+
 def test_tiny_amax_scale_floor():
     """An amax below 448 * 2^-126 gives the scale 2^-126, so x / scale stays finite."""
     x = torch.tensor([1e-44, -3e-45, 0.0, 1e-42])

@@ -649,7 +649,6 @@ FSDPN_X512 FSDPN_INLINE __m512i nf4_group32(const S* x, __m512 inv, const Nf4Reg
                           nf4_codes16x(_mm512_mul_ps(xo, inv), t.mid, t.c_lo, t.c_hi, _mm512_set1_epi32(1)));
 }
 
-
 // NF4 blocks as nf4_blocks_loop; whole blocks of 32 or more elements here, 32 at a time: the
 // even and odd elements in separate registers, so that one lane holds both codes of a byte.
 template <typename S>
@@ -795,7 +794,9 @@ struct SrcFns {
   void (*nf4_blocks)(const void*, int64_t, int64_t, int64_t, int64_t, uint8_t*, uint8_t*);
   // fp8_rowwise over whole rows (src, row, rows, codes, scales), or null
   void (*fp8_rows)(const void*, int64_t, int64_t, uint8_t*, uint8_t*) = nullptr;
-  // Largest |x| bits, inf and NaN included, and fp8_encode_bounded for finite x only; or null
+  // Largest |x| bits, inf and NaN included, and fp8_encode_bounded for finite x only: both set
+  // (AVX-512 VBMI/BF16 level) or both null (then `finite_amax(..., any_abs)` is the finite amax
+  // and quantize_task falls back to the encode with the fix-up, so a "finite" flag is harmless)
   uint32_t (*max_abs)(const void*, int64_t) = nullptr;
   void (*fp8_encode_finite)(const void*, int64_t, float, uint8_t*) = nullptr;
 };
