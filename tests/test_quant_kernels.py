@@ -238,6 +238,35 @@ def test_rowwise_finite_and_non_finite_rows_in_one_call(src):
     assert ((codes[finite_rows] & 0x7F) != 0x7F).all()  # no NaN code in a finite row
 
 
+@pytest.mark.parametrize("src", FLOATS, ids=str)
+@pytest.mark.parametrize("block_size", [32, 64, 128, 256, 512])
+def test_nf4_runs_of_blocks_with_special_blocks(src, block_size):
+    """NF4 takes whole blocks 16 at a time (their amaxes, scales and inverse scales as vectors)
+    where 16 blocks fit in the cache, one at a time otherwise and for the rest. Every block's
+    amax is different and sits at a different position; blocks with a NaN, an inf, all zeros,
+    a subnormal amax or the largest finite value are spread over the runs; the source starts at
+    an odd element and ends in a partial block inside the padded range."""
+    gen = torch.Generator().manual_seed(block_size)
+    n_blocks = 37
+    x = torch.rand(n_blocks, block_size, generator=gen) - 0.5  # below every block's amax
+    for b in range(n_blocks):
+        x[b, (b * 13) % block_size] = (b + 1) * 0.75 * (-1) ** b  # the block's amax, in its own place
+    x[2, 5], x[17, block_size - 1], x[33, 0] = float("nan"), float("inf"), -float("inf")
+    x[5], x[20] = 0.0, 0.0
+    x[9] = x[9] * 1e-41  # subnormal amax (fp32; zeros in bf16 and fp16)
+    x[15, 1] = torch.finfo(src).max
+    flat = torch.cat([torch.zeros(1), x.reshape(-1)]).to(src)[1:]  # misaligned start
+    n = flat.numel() - block_size // 2  # a partial last block, padded
+    shard, padded = flat[:n], flat.numel()
+    out = torch.full((Q.unit_layout([padded], [1], "nf4", block_size=block_size).rank_nbytes,), 0xA5, dtype=torch.uint8)
+    torch.ops.fsdp_native.quantize_copy_in([shard], [padded], [1], "nf4", block_size, None, out)
+    ref = R.quantize([shard], [padded], [1], "nf4", block_size, None)
+    assert torch.equal(out, ref), f"bytes differ at {(out != ref).nonzero().view(-1)[:8].tolist()}"
+    scales = out[padded // 2 :].view(f32)
+    assert torch.isnan(scales[[2, 17, 33]]).all() and (scales[[5, 20]] == 1).all()
+    assert scales[0].item() == 0.75 and scales[16].item() == 17 * 0.75  # the blocks' own amaxes, in order
+
+
 def test_tiny_amax_scale_floor():
     """An amax below 448 * 2^-126 gives the scale 2^-126, so x / scale stays finite."""
     x = torch.tensor([1e-44, -3e-45, 0.0, 1e-42])
@@ -599,7 +628,7 @@ if __name__ == "__main__" and "--triton" in sys.argv:
 
 
 # ----------------------------------------------------------------------------- CPU kernel levels
-_BIT_EXACT = "grid_matches or every or non_finite or tiny_amax or hypothesis or multithreaded or global_amax or garbage or rows_of or misaligned"
+_BIT_EXACT = "grid_matches or every or non_finite or nf4_runs or tiny_amax or hypothesis or multithreaded or global_amax or garbage or rows_of or misaligned"
 
 
 def test_cpu_kernel_level_is_reported():

@@ -649,8 +649,62 @@ FSDPN_X512 FSDPN_INLINE __m512i nf4_group32(const S* x, __m512 inv, const Nf4Reg
                           nf4_codes16x(_mm512_mul_ps(xo, inv), t.mid, t.c_lo, t.c_hi, _mm512_set1_epi32(1)));
 }
 
+// The largest |x| bits of 16 consecutive whole blocks of `block` elements, block j's in lane
+// j (float bits; inf and NaN included, at or above 0x7f800000). Each block's lanes are folded
+// by halves while the blocks are interleaved (two blocks per register after the first fold,
+// four, eight, then all 16): about 3 operations per block instead of a horizontal max each.
+template <typename S>
+FSDPN_X512 FSDPN_INLINE __m512i max_lanes(__m512i a, __m512i b) {
+  if constexpr (std::is_same<S, bf16_t>::value) return _mm512_max_epu16(a, b);
+  return _mm512_max_epu32(a, b);
+}
+template <typename S>
+FSDPN_X512 FSDPN_INLINE __m512i nf4_amax16(const S* x, int64_t block) {
+  constexpr bool kBf16 = std::is_same<S, bf16_t>::value;
+  constexpr int64_t kStep = kBf16 ? 32 : 16;
+  __m512i m[16];
+  for (int j = 0; j < 16; ++j) {
+    const S* xb = x + j * block;
+    __m512i a = _mm512_setzero_si512();
+    for (int64_t k = 0; k < block; k += kStep) a = max_abs_step<S>(a, _mm512_loadu_si512(xb + k));
+    m[j] = a;
+  }
+  // 256-bit halves: register p holds blocks 2p (128-bit lanes 0-1) and 2p + 1 (lanes 2-3).
+  for (int p = 0; p < 8; ++p)
+    m[p] = max_lanes<S>(_mm512_shuffle_i64x2(m[2 * p], m[2 * p + 1], 0x44), _mm512_shuffle_i64x2(m[2 * p], m[2 * p + 1], 0xee));
+  // 128-bit lanes: register q holds blocks 4q .. 4q + 3, one per lane.
+  for (int q = 0; q < 4; ++q)
+    m[q] = max_lanes<S>(_mm512_shuffle_i64x2(m[2 * q], m[2 * q + 1], 0x88), _mm512_shuffle_i64x2(m[2 * q], m[2 * q + 1], 0xdd));
+  // 64-bit halves: register r, lane l holds block 8 r + l (low qword) and 8 r + 4 + l (high).
+  for (int r = 0; r < 2; ++r)
+    m[r] = max_lanes<S>(_mm512_unpacklo_epi64(m[2 * r], m[2 * r + 1]), _mm512_unpackhi_epi64(m[2 * r], m[2 * r + 1]));
+  // Within each qword: its block's max in the low 16 (bf16) or 32 (float) bits.
+  for (int r = 0; r < 2; ++r) {
+    m[r] = max_lanes<S>(m[r], _mm512_srli_epi64(m[r], 32));
+    if constexpr (kBf16) m[r] = max_lanes<S>(m[r], _mm512_srli_epi32(m[r], 16));
+  }
+  // Block j sits in qword 2 (j % 4) + (j / 4) % 2 of register j / 8: its low dword.
+  const __m512i order = _mm512_set_epi32(30, 26, 22, 18, 28, 24, 20, 16, 14, 10, 6, 2, 12, 8, 4, 0);
+  const __m512i r = _mm512_permutex2var_epi32(m[0], order, m[1]);
+  return kBf16 ? _mm512_slli_epi32(r, 16) : r;
+}
+
+// One whole block's codes (`block` a power of two from 32), its inverse scale in every lane.
+template <typename S>
+FSDPN_X512 FSDPN_INLINE void nf4_encode_block(const S* x, int64_t block, __m512 inv, const Nf4Regs& tb, __m512i pack, uint8_t* c) {
+  if (block == 32) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8(nf4_group32(x, inv, tb)));
+    return;
+  }
+  for (int64_t k = 0; k < block; k += 64) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + k / 2),
+                        _mm512_castsi512_si256(_mm512_permutex2var_epi8(nf4_group32(x + k, inv, tb), pack, nf4_group32(x + k + 32, inv, tb))));
+  }
+}
+
 // NF4 blocks as nf4_blocks_loop; whole blocks of 32 or more elements here, 32 at a time: the
 // even and odd elements in separate registers, so that one lane holds both codes of a byte.
+// Runs of 16 whole blocks get their amaxes, scales and inverse scales as vectors.
 template <typename S>
 FSDPN_X512 void nf4_blocks_x512(const void* src, int64_t n, int64_t len, int64_t n_blocks, int64_t block,
                                 uint8_t* codes, uint8_t* scales) {
@@ -665,7 +719,32 @@ FSDPN_X512 void nf4_blocks_x512(const void* src, int64_t n, int64_t len, int64_t
       0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124,
       0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124};
   const __m512i pack = _mm512_load_si512(kPack);  // byte 4 k of a (k < 16), then of b
-  for (int64_t b = 0; b < n_blocks; ++b) {
+  // Whole blocks (every element in [0, n) and [0, len)), 16 at a time while 16 blocks fit in
+  // 16 KiB (still in L1 for the encode); larger blocks amortize their own amax.
+  const int64_t whole = block * static_cast<int64_t>(sizeof(S)) <= 1024
+                            ? std::min<int64_t>(n_blocks, std::max<int64_t>(0, std::min(n, len)) / block)
+                            : 0;
+  int64_t b = 0;
+  for (; b + 16 <= whole; b += 16) {
+    const S* x = s + b * block;
+    uint8_t* c = codes + b * block / 2;
+    // nf4_scale of each amax: 1 for 0, the smallest normal below it, NaN for inf / NaN.
+    const __m512i amax = nf4_amax16(x, block);
+    const __mmask16 bad = _mm512_cmpge_epu32_mask(amax, _mm512_set1_epi32(0x7f800000));
+    __m512i bits = _mm512_max_epu32(amax, _mm512_set1_epi32(0x00800000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(amax, _mm512_setzero_si512()), _mm512_set1_epi32(0x3f800000));
+    bits = _mm512_mask_mov_epi32(bits, bad, _mm512_set1_epi32(static_cast<int>(kNaNBits)));
+    _mm512_storeu_si512(scales + 4 * b, bits);
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_castsi512_ps(bits));
+    for (int j = 0; j < 16; ++j) {
+      if (bad >> j & 1) {  // a NaN or an infinity in the block: every v is NaN, code 0
+        std::memset(c + j * block / 2, 0, static_cast<size_t>(block / 2));
+        continue;
+      }
+      nf4_encode_block(x + j * block, block, _mm512_permutexvar_ps(_mm512_set1_epi32(j), inv), tb, pack, c + j * block / 2);
+    }
+  }
+  for (; b < n_blocks; ++b) {
     const int64_t lo = b * block;
     const int64_t valid = std::max<int64_t>(0, std::min(std::min(block, len - lo), n - lo));
     if (valid != block) {
@@ -690,15 +769,7 @@ FSDPN_X512 void nf4_blocks_x512(const void* src, int64_t n, int64_t len, int64_t
       std::memset(c, 0, static_cast<size_t>(block / 2));
       continue;
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / scale);
-    if (block == 32) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8(nf4_group32(x, inv, tb)));
-      continue;
-    }
-    for (int64_t k = 0; k < block; k += 64) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + k / 2),
-                          _mm512_castsi512_si256(_mm512_permutex2var_epi8(nf4_group32(x + k, inv, tb), pack, nf4_group32(x + k + 32, inv, tb))));
-    }
+    nf4_encode_block(x, block, _mm512_set1_ps(1.0f / scale), tb, pack, c);
   }
 }
 
