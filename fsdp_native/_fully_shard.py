@@ -121,8 +121,9 @@ def fully_shard(
     unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes)
     for m in modules:
         m._fsdp_native_unit = unit
-        m.register_forward_pre_hook(functools.partial(_pre_hook, unit), prepend=True, with_kwargs=True)
-        m.register_forward_hook(functools.partial(_post_hook, unit), prepend=False)
+        pre_hook, post_hook = _eager_hooks()
+        m.register_forward_pre_hook(functools.partial(pre_hook, unit), prepend=True, with_kwargs=True)
+        m.register_forward_hook(functools.partial(post_hook, unit), prepend=False)
         # Like torch: a state dict always holds the sharded DTensor parameters.
         m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, unit=unit: unit.reshard())
         # load_state_dict(assign=True) installs new tensors: reshard before, re-adopt after, so
@@ -151,6 +152,16 @@ def _pre_hook(unit, module, args, kwargs):
 
 def _post_hook(unit, module, args, output):
     return post_forward(unit, module, args, output)
+
+
+@functools.cache
+def _eager_hooks():
+    """The forward hooks, run eagerly under torch.compile (graph breaks around them, the
+    modules' own forwards compiled), as torch FSDP2's hooks under dynamo's default
+    ``skip_fsdp_hooks``: they issue collectives and change module state, which dynamo must not
+    trace. Made at the first fully_shard, which imports torch._dynamo (as torch's first hook
+    does), so that importing fsdp_native does not."""
+    return torch.compiler.disable(_pre_hook, recursive=True), torch.compiler.disable(_post_hook, recursive=True)
 
 
 def _check_all_gather(policy) -> None:

@@ -37,6 +37,7 @@ import time
 import weakref
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from fsdp_native._env import non_negative_int, one_of
@@ -99,7 +100,7 @@ def attach(root) -> None:
     first. The hook runs before fully_shard's, whose all-gather may be the wait reported."""
     if STALL_S and root not in _S.steps:
         _S.steps[root] = 0
-        root.register_forward_pre_hook(_count_step, prepend=True)
+        root.register_forward_pre_hook(torch.compiler.disable(_count_step, recursive=True), prepend=True)
 
 
 def _count_step(module, args) -> None:
