@@ -1,7 +1,7 @@
 """The Transformers Trainer (fsdp=True with the fsdp_config of the Hugging Face FSDP2 docs) on
 fsdp_native vs on torch FSDP2: a tiny Llama from a LlamaConfig (no Hub) on 2 CPU ranks, both
 libraries in the same spawn, bitwise equal losses and parameters; generate() after training
-(the Trainer registers it with register_fsdp_forward_method)."""
+(the Trainer registers it with register_fsdp_forward_method); torch_compile=True."""
 from __future__ import annotations
 
 import os
@@ -54,7 +54,7 @@ def fsdp_config(**overrides):
     return cfg
 
 
-def trainer_run(impl, *, bf16=False, ga=1, use_cpu=True, generate=False, **cfg_overrides):
+def trainer_run(impl, *, bf16=False, ga=1, use_cpu=True, generate=False, torch_compile=False, **cfg_overrides):
     """Trainer.train for STEPS optimizer steps; returns (per-micro-batch losses, full params,
     generated tokens or None)."""
     import torch
@@ -80,6 +80,7 @@ def trainer_run(impl, *, bf16=False, ga=1, use_cpu=True, generate=False, **cfg_o
             fsdp_config=fsdp_config(**cfg_overrides),
             use_cpu=use_cpu,
             bf16=bf16,
+            torch_compile=torch_compile,
             per_device_train_batch_size=2,
             gradient_accumulation_steps=ga,
             max_steps=STEPS,
@@ -132,6 +133,7 @@ def _trainer_grid():
         dict(activation_checkpointing=True),
         dict(cpu_ram_efficient_loading=True),
         dict(generate=True),
+        dict(torch_compile=True, bf16=True),  # Accelerate compiles the sharded model (inductor on CPU)
     ]
     run_grid(configs, _parity, name="trainer")
 
