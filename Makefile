@@ -67,7 +67,7 @@ OLDEST := $(CURDIR)/.venv-oldest
 OLDEST_BUILD := $(CURDIR)/build/oldest
 RUNTIME_TESTS ?= test_optim_defaults.py test_fully_shard_parity.py test_fully_shard_state.py test_fully_shard_errors.py \
 	test_fully_shard_api.py test_trace.py test_dtensor.py test_compat.py \
-	test_fully_shard_example.py test_grouped_units.py test_memory.py test_mixed_dtypes.py test_mp_override.py
+	test_fully_shard_example.py test_grouped_units.py test_memory.py test_mixed_dtypes.py test_mp_override.py test_compile.py
 
 $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION):
 	test -x $(OLDEST)/bin/python || python3 -m venv $(OLDEST)
