@@ -119,9 +119,9 @@ def fully_shard(
     param_dtypes = resolve_param_dtypes(mp, params, names)  # the user's parameters, as torch calls it
     params = [_to_device(p, info.device) for p in params]
     unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes)
+    pre_hook, post_hook = _eager_hooks()
     for m in modules:
         m._fsdp_native_unit = unit
-        pre_hook, post_hook = _eager_hooks()
         m.register_forward_pre_hook(functools.partial(pre_hook, unit), prepend=True, with_kwargs=True)
         m.register_forward_hook(functools.partial(post_hook, unit), prepend=False)
         # Like torch: a state dict always holds the sharded DTensor parameters.
