@@ -2,7 +2,7 @@
 timing, and a description of the machine.
 
 * ``load_impl("torch" | "fsdp_native" | module)`` -> ``Impl`` (``fully_shard``,
-  ``MixedPrecisionPolicy``, ``FSDPModule``);
+  ``MixedPrecisionPolicy``, ``FSDPModule``; ``+compile``: compiled blocks);
 * ``make_batch`` / ``train_step`` / ``Trainer``: the step every benchmark times (``zero_grad``,
   forward, mean-square loss against a random target of the output's shape, backward,
   ``optimizer.step``), with the phase boundaries recorded when asked;
@@ -56,21 +56,27 @@ class Impl:
     fully_shard: Callable
     MixedPrecisionPolicy: type
     FSDPModule: type
+    compile_blocks: bool = False  # torch.compile each block before fully_shard (torchtitan's order)
 
 
 def load_impl(name: str) -> Impl:
     """``torch`` (torch.distributed.fsdp), ``fsdp_native``, ``fsdp_native:<format>`` (its
     quantized all-gather, e.g. ``fsdp_native:fp8_rowwise``), or any importable module exposing
-    ``fully_shard``, ``MixedPrecisionPolicy`` and ``FSDPModule``."""
-    base, _, fmt = name.partition(":")
+    ``fully_shard``, ``MixedPrecisionPolicy`` and ``FSDPModule``; a ``+compile`` suffix
+    (``torch+compile``, ``fsdp_native+compile``) compiles every block before its
+    ``fully_shard``."""
+    name_, plus, extra = name.partition("+")
+    if plus and extra != "compile":
+        raise ValueError(f"implementation '{name}': unknown suffix '+{extra}', expected '+compile'")
+    base, _, fmt = name_.partition(":")
     module = {"torch": "torch.distributed.fsdp"}.get(base, base)
     mod = importlib.import_module(module)
+    fully_shard = mod.fully_shard
     if fmt:  # "fsdp_native:fp8_rowwise": fsdp_native's quantized all-gather on every unit
         import functools
 
-        policy = mod.QuantizedAllGather(fmt)
-        return Impl(name, functools.partial(mod.fully_shard, all_gather=policy), mod.MixedPrecisionPolicy, mod.FSDPModule)
-    return Impl(name, mod.fully_shard, mod.MixedPrecisionPolicy, mod.FSDPModule)
+        fully_shard = functools.partial(mod.fully_shard, all_gather=mod.QuantizedAllGather(fmt))
+    return Impl(name, fully_shard, mod.MixedPrecisionPolicy, mod.FSDPModule, compile_blocks=bool(plus))
 
 
 def mixed_precision(impl: Impl, precision: str):
@@ -120,7 +126,9 @@ class Trainer:
 
         im = load_impl(impl)
         kwargs = {} if mesh is None else {"mesh": mesh}
-        self.model = shard_model(build_model(cfg, SEED), im.fully_shard, mixed_precision(im, precision), **kwargs)
+        self.model = shard_model(
+            build_model(cfg, SEED), im.fully_shard, mixed_precision(im, precision), compile_blocks=im.compile_blocks, **kwargs
+        )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.cfg, self.rank = cfg, rank
         self.steps = 0

@@ -69,12 +69,15 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> ResidualMLP:
     return ResidualMLP(cfg.dim, cfg.hidden, cfg.n_blocks)
 
 
-def shard_model(model: nn.Module, fully_shard, mp_policy=None, **kwargs) -> nn.Module:
+def shard_model(model: nn.Module, fully_shard, mp_policy=None, compile_blocks: bool = False, **kwargs) -> nn.Module:
     """Each block (``model.blocks``) as a unit, then the root over the rest (input and output
-    layers). ``kwargs`` (``mesh``, ...) go to every ``fully_shard`` call."""
+    layers). ``kwargs`` (``mesh``, ...) go to every ``fully_shard`` call. ``compile_blocks``:
+    ``block.compile()`` before its ``fully_shard`` (torchtitan's order)."""
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in model.blocks:
+        if compile_blocks:
+            block.compile()
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

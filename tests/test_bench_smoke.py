@@ -121,3 +121,25 @@ def test_harness_run_ranks(tmp_path):
     script.write_text(_HARNESS)
     proc = subprocess.run([sys.executable, str(script)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "harness ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_harness_load_impl_names():
+    """Implementation names of the benchmarks: a quantized all-gather after ':', compiled
+    blocks after '+compile' (shard_model compiles each block before its fully_shard)."""
+    sys.path.insert(0, str(ROOT))
+    import torch.nn as nn
+
+    from benchmarks.harness import load_impl
+    from benchmarks.models import shard_model
+
+    assert not load_impl("torch").compile_blocks
+    im = load_impl("fsdp_native:fp8_rowwise+compile")
+    assert im.compile_blocks and im.fully_shard.keywords["all_gather"].format == "fp8_rowwise"
+    with pytest.raises(ValueError, match=r"implementation 'torch\+fast': unknown suffix '\+fast', expected '\+compile'"):
+        load_impl("torch+fast")
+
+    calls = []
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    shard_model(model, lambda m, **kw: calls.append((m, m._compiled_call_impl is not None)), compile_blocks=True)
+    assert calls == [(model.blocks[0], True), (model.blocks[1], True), (model, False)]
