@@ -172,10 +172,12 @@ def load_impl(name: str):
 ALL_GATHER_FORMATS = {"fp8": "fp8_rowwise", "fp8_rowwise": "fp8_rowwise", "fp8_tensorwise": "fp8_tensorwise", "nf4": "nf4"}
 
 
-def shard(model: "Transformer", fully_shard, *, all_gather: str = "plain", bf16: bool = False) -> None:
+def shard(model: "Transformer", fully_shard, *, all_gather: str = "plain", bf16: bool = False, compile: bool = False) -> None:
     """One unit per block plus the root, as in torch's FSDP2 tutorial. ``all_gather``: a key
     of ALL_GATHER_FORMATS for fsdp_native's quantized all-gather of the blocks (the root's
-    embeddings and head stay plain); ``bf16``: bf16 compute with fp32 reductions."""
+    embeddings and head stay plain); ``bf16``: bf16 compute with fp32 reductions;
+    ``compile``: each block compiled (``block.compile()``) before its ``fully_shard``, as
+    torchtitan does."""
     kw = {}
     if bf16:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -187,6 +189,8 @@ def shard(model: "Transformer", fully_shard, *, all_gather: str = "plain", bf16:
 
         block_kw["all_gather"] = QuantizedAllGather(ALL_GATHER_FORMATS[all_gather])
     for block in model.blocks:
+        if compile:
+            block.compile()
         fully_shard(block, **block_kw)
     fully_shard(model, **kw)
 
@@ -292,6 +296,7 @@ def parse_args(argv=None):
         "(nf4 quantizes frozen weights only, so it implies --lora 16 unless given); default plain",
     )
     p.add_argument("--bf16", action="store_true", help="bf16 compute (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard (torchtitan's order)")
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="QLoRA-style fine-tuning: freeze the blocks' Linear weights and train rank-RANK adapters beside them")
     args = p.parse_args(argv)
@@ -318,7 +323,7 @@ def main(argv=None) -> None:
     if args.lora:
         add_lora(model, args.lora)
     n_params = sum(p.numel() for p in model.parameters())
-    shard(model, fully_shard, all_gather=args.all_gather, bf16=args.bf16)
+    shard(model, fully_shard, all_gather=args.all_gather, bf16=args.bf16, compile=args.compile)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     state = TrainState(model, optimizer)
 
@@ -326,7 +331,7 @@ def main(argv=None) -> None:
         print(
             f"impl={args.impl} ranks={world} params={n_params / 1e6:.2f}M units={args.layers + 1} "
             f"task=copy(vocab={args.vocab}, half={args.half}) batch/rank={args.batch} all_gather={args.all_gather}"
-            f"{' compute=bf16' if args.bf16 else ''}{f' lora={args.lora}' if args.lora else ''}",
+            f"{' compute=bf16' if args.bf16 else ''}{f' lora={args.lora}' if args.lora else ''}{' compile' if args.compile else ''}",
             flush=True,
         )
     resumed = None if args.fresh else ckpt.load_latest({"train": state}, args.ckpt_dir)
