@@ -649,15 +649,17 @@ FSDPN_X512 FSDPN_INLINE __m512i nf4_group32(const S* x, __m512 inv, const Nf4Reg
                           nf4_codes16x(_mm512_mul_ps(xo, inv), t.mid, t.c_lo, t.c_hi, _mm512_set1_epi32(1)));
 }
 
-// The largest |x| bits of 16 consecutive whole blocks of `block` elements, block j's in lane
-// j (float bits; inf and NaN included, at or above 0x7f800000). Each block's lanes are folded
-// by halves while the blocks are interleaved (two blocks per register after the first fold,
-// four, eight, then all 16): about 3 operations per block instead of a horizontal max each.
+// Lane-wise unsigned max in the source's lanes: 16-bit for bf16, 32-bit for float.
 template <typename S>
 FSDPN_X512 FSDPN_INLINE __m512i max_lanes(__m512i a, __m512i b) {
   if constexpr (std::is_same<S, bf16_t>::value) return _mm512_max_epu16(a, b);
   return _mm512_max_epu32(a, b);
 }
+
+// The largest |x| bits of 16 consecutive whole blocks of `block` elements, block j's in lane
+// j (float bits; inf and NaN included, at or above 0x7f800000). Each block's lanes are folded
+// by halves while the blocks are interleaved (two blocks per register after the first fold,
+// four, eight, then all 16): about 3 operations per block instead of a horizontal max each.
 template <typename S>
 FSDPN_X512 FSDPN_INLINE __m512i nf4_amax16(const S* x, int64_t block) {
   constexpr bool kBf16 = std::is_same<S, bf16_t>::value;
