@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 TORCH_VERSION ?= 2.13.0
 # Hugging Face integration (fsdp_native.integrations, tests/test_hf_*.py): the tested versions.
-TRANSFORMERS_VERSION ?= 5.18.0
+TRANSFORMERS_VERSION ?= 5.24.0
 ACCELERATE_VERSION ?= 1.15.0
 # torchao: NF4 / Float8 tensor subclasses for the all-gather extension tests (tests/test_extension.py).
 TORCHAO_VERSION ?= 0.18.0
