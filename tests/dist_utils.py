@@ -587,12 +587,45 @@ def grid(**axes: Iterable) -> list[dict]:
 # Tensor helpers
 # ---------------------------------------------------------------------------
 def full(t):
-    """A tensor's global value: DTensors are gathered with ``full_tensor()``."""
-    from torch.distributed.tensor import DTensor
+    """A tensor's global value.
+
+    A DTensor sharded over one mesh dimension (FSDP's ``Shard(0)``, HSDP's ``(Replicate(),
+    Shard(0))``) is gathered with ``dist.all_gather_single`` (gloo's ``_allgather_base``),
+    as bytes, its chunks padded to torch.chunk's size. Not with ``full_tensor()``: its functional
+    all-gather reaches gloo's ``allgather_coalesced``, which now and then corrupts the heap of a
+    gloo worker thread (issue 11's rare segfault; ``scripts/gloo_race_repro.py`` shows it with
+    torch alone). Other DTensors (partial, or with tensor-subclass shards) use ``full_tensor()``.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if t is None:
         return None
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+    if not isinstance(t, DTensor):
+        return t.detach().clone()
+    local = t.to_local().detach()
+    shards = [(m, p.dim) for m, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if (
+        type(local) is not torch.Tensor
+        or len(shards) != 1
+        or not all(isinstance(p, (Shard, Replicate)) for p in t.placements)
+    ):
+        return t.full_tensor()
+    mesh_dim, dim = shards[0]
+    size, n = t.device_mesh.size(mesh_dim), t.shape[dim]
+    chunk = -(-n // size)  # torch.chunk's chunk size: the last ranks may hold fewer rows or none
+    rows = local.movedim(dim, 0)
+    padded = rows.new_zeros((chunk, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    inp = padded.reshape(-1).view(torch.uint8)
+    if inp.numel() == 0:  # nothing to gather (gloo's all-gather of 0 bytes raises SIGFPE)
+        return local.new_empty(t.shape)
+    out = torch.empty(size * inp.numel(), dtype=torch.uint8, device=inp.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
+    gather(out, inp, group=t.device_mesh.get_group(mesh_dim))
+    gathered = out.view(local.dtype).reshape(size * chunk, *rows.shape[1:])[:n]
+    return gathered.movedim(0, dim).clone()
 
 
 def full_params(model) -> dict:

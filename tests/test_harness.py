@@ -7,7 +7,11 @@ mesh built after the re-init returns an output on the mesh of the destroyed grou
 group names by then belong to other live groups: this test, with the fast-path cache left
 alone, gets the stale mesh and an all-gather over a 4-rank group on a 2-rank mesh dim
 ("narrow unexpectedly changed concrete size"). Issue 11's rare segfault in an all-gather
-after a re-init is the suspected consequence.
+after a re-init was suspected; the cause found later is gloo's (scripts/gloo_race_repro.py).
+
+Also: dist_utils.full, which gathers DTensors for the comparisons without DTensor's functional
+all-gather (gloo's allgather_coalesced, the one that corrupts the heap), gives full_tensor()'s
+bits.
 """
 from __future__ import annotations
 
@@ -66,3 +70,40 @@ def test_native_crash_is_reported_with_cpp_stacks(capfd):
     assert "rank 0 died with exit code -11" in str(info.value), str(info.value)
     err = capfd.readouterr().err
     assert "SIGSEGV(11), PID:" in err and "frame #0:" in err, err[-2000:]
+
+
+def _full_matches_full_tensor() -> None:
+    """dist_utils.full gathers DTensors without DTensor's functional all-gather (gloo's
+    allgather_coalesced, issue 11): bit for bit what full_tensor() gives, for the placements
+    FSDP and HSDP use, uneven and empty shards, and a dtype gloo has no type for (float8)."""
+    ws = dist.get_world_size()
+    meshes = [(init_device_mesh("cpu", (ws,)), [Shard(0)])]
+    if ws == 4:
+        meshes.append((init_device_mesh("cpu", (2, 2)), [Replicate(), Shard(0)]))
+    checked = 0
+    for mesh, placements in meshes:
+        for shape in [(1,), (3,), (5, 7), (2 * ws, 3), (ws + 1, 2, 3), (0, 4), (3, 0)]:
+            for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64):
+                g = torch.Generator().manual_seed(checked)
+                x = (torch.randn(shape, generator=g) * 100).to(dtype)
+                d = distribute_tensor(x, mesh, placements, src_data_rank=None)  # x is the same on every rank
+                got = dist_utils.full(d)
+                assert got.shape == x.shape and got.dtype == dtype, (shape, dtype, got.shape)
+                assert torch.equal(got.view(torch.uint8), x.view(torch.uint8)), (placements, shape, dtype)
+                if dtype != torch.float8_e4m3fn:  # gloo has no float8 type: full_tensor() raises
+                    assert torch.equal(got.view(torch.uint8), d.full_tensor().view(torch.uint8)), (placements, shape, dtype)
+                checked += 1
+    # A DTensor with a partial placement is left to full_tensor().
+    from torch.distributed.tensor import Partial
+
+    mesh = meshes[0][0]
+    p = torch.distributed.tensor.DTensor.from_local(torch.ones(3), mesh, [Partial()])
+    assert torch.equal(dist_utils.full(p), torch.full((3,), float(ws)))
+
+
+def test_full_matches_full_tensor_ws2():
+    run_distributed(_full_matches_full_tensor, 2)
+
+
+def test_full_matches_full_tensor_hsdp():
+    run_distributed(_full_matches_full_tensor, 4)
