@@ -19,7 +19,7 @@ the data. The gloo group runs its collectives on `--threads` worker threads (tor
 A crash shows as glibc's "malloc(): unaligned tcache chunk detected" (SIGABRT) or a SIGSEGV in
 malloc on a gloo worker thread, with every thread's C++ frames (c10's fatal-signal handler):
 the same signature as the crashes seen in the test suite. Exit status: 0 when every run
-finished, 1 when one crashed (the rest are not run). Figures: README "Tests and benchmarks".
+finished, 1 when one crashed or a rank raised (the rest are not run). Figures: README "Tests and benchmarks".
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 
 def _free_port() -> int:
@@ -83,8 +84,9 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             mp.start_processes(_worker, args=(a.kind, a.threads, a.iters, _free_port()), nprocs=2, start_method="spawn")
-        except mp.ProcessExitedException as e:
-            print(f"run {run}: CRASHED after {time.perf_counter() - t0:.0f} s: {e}", flush=True)
+        except ProcessException as e:  # a rank killed by a signal, or one that raised
+            what = "CRASHED" if isinstance(e, ProcessExitedException) else "FAILED"
+            print(f"run {run}: {what} after {time.perf_counter() - t0:.0f} s: {str(e).strip().splitlines()[-1]}", flush=True)
             return 1
         print(f"run {run}: {a.iters} iterations, no crash ({time.perf_counter() - t0:.0f} s)", flush=True)
     return 0
