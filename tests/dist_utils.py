@@ -597,8 +597,9 @@ def full(t):
     torch alone). Other DTensors (partial, or with tensor-subclass shards) use ``full_tensor()``.
     """
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from fsdp_native import _compat  # all_gather_single on every supported torch
 
     if t is None:
         return None
@@ -622,8 +623,7 @@ def full(t):
     if inp.numel() == 0:  # nothing to gather (gloo's all-gather of 0 bytes raises SIGFPE)
         return local.new_empty(t.shape)
     out = torch.empty(size * inp.numel(), dtype=torch.uint8, device=inp.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
-    gather(out, inp, group=t.device_mesh.get_group(mesh_dim))
+    _compat.all_gather_single(out, inp, group=t.device_mesh.get_group(mesh_dim))
     gathered = out.view(local.dtype).reshape(size * chunk, *rows.shape[1:])[:n]
     return gathered.movedim(0, dim).clone()
 
