@@ -20,6 +20,7 @@ on the same group (tag 0 by default).
 """
 from __future__ import annotations
 
+import math
 import time
 from datetime import timedelta
 
@@ -62,7 +63,10 @@ class P2PWork:
             if end is None:
                 w.wait()
             else:
-                w.wait(timedelta(seconds=max(end - time.perf_counter(), 0.001)))
+                # Whole milliseconds, rounded up: c10d truncates the timedelta to milliseconds,
+                # and gloo's wait then ended up to 1 ms before `end` (the caller took its
+                # "Timed out waiting 1999ms" for a failure before the threshold: test_stall).
+                w.wait(timedelta(milliseconds=math.ceil(max(end - time.perf_counter(), 0.001) * 1000)))
         self.works = []
         if self.finish is not None:
             finish, self.finish = self.finish, None

@@ -51,6 +51,7 @@ TICK_S = 0.25  # the watch thread's period
 ANSWER_AFTER_S = 1.0  # a rank waiting this long answers report requests
 GRACE_S = 2.0  # how long a reporting rank waits for the others' answers
 SLICE_S = 0.25  # raise mode: slices of a wait on a collective
+REPORT_WAIT_S = 60.0  # raise mode: the longest a given-up point-to-point wait waits for its report
 
 _KEY = "fsdp_native/stall"
 log = logging.getLogger("fsdp_native")
@@ -137,7 +138,11 @@ def _wait_or_raise(work) -> None:
 
 
 def _await_report(seq: int) -> str:
-    end = time.perf_counter() + GRACE_S + 4 * TICK_S + 1.0  # the watch reports within a tick + GRACE_S
+    """The watch thread's report of wait `seq`: it comes a tick + ``GRACE_S`` after the
+    threshold on a machine with CPU to spare. Waited for up to ``REPORT_WAIT_S``, not a bound
+    near that, so a starved or descheduled process still raises the report; only a watch
+    thread that cannot run at all leaves the short message."""
+    end = time.perf_counter() + REPORT_WAIT_S
     while time.perf_counter() < end:
         r = _S.report
         if r is not None and r[0] == seq:

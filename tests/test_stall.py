@@ -20,6 +20,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from datetime import timedelta
 
 import pytest
 import torch
@@ -52,6 +54,15 @@ class _Capture(logging.Handler):
 
     def emit(self, record):
         self.messages.append(record.getMessage())
+
+
+def _watch_stack() -> str:
+    """Where the stall watch thread is (shown with a missing report)."""
+    for t in threading.enumerate():
+        if t.name == "fsdp_native-stall-watch":
+            frame = sys._current_frames().get(t.ident)
+            return "; watch thread at:\n" + "".join(traceback.format_stack(frame)) if frame else "; watch thread not running"
+    return "; no watch thread"
 
 
 def _step(model, batch):
@@ -94,6 +105,7 @@ def _check(stopped: int, mode: str, p2p: bool):
         logger = logging.getLogger("fsdp_native")
         logger.addHandler(cap)
         reported = threading.Event()
+        raised = ""
 
         def release():
             end = time.monotonic() + REPORT_WITHIN_S
@@ -109,14 +121,18 @@ def _check(stopped: int, mode: str, p2p: bool):
                 _step(model, batches[1])  # blocks until the peer is continued
                 t.join()
             else:
+                t0 = time.monotonic()
                 with pytest.raises(RuntimeError) as info:
                     _step(model, batches[1])
+                raised = f"; raised after {time.monotonic() - t0:.2f} s: {info.value!r}"
+                if not any("stall report" in m for m in cap.messages):
+                    raised += _watch_stack()  # before the peer continues
                 os.kill(pid, signal.SIGCONT)
         finally:
             os.kill(pid, signal.SIGCONT)  # never leave a rank stopped
             logger.removeHandler(cap)
         reports = [m for m in cap.messages if "stall report" in m]
-        assert reports, f"no stall report within {REPORT_WITHIN_S} s; logged: {cap.messages}"
+        assert reports, f"no stall report within {REPORT_WITHIN_S} s; logged: {cap.messages}{raised or _watch_stack()}"
         report = reports[0]
         via = " (point-to-point)" if p2p else ""
         line = f"rank {rank}: waited "
@@ -237,3 +253,49 @@ def test_stall_switch_values(monkeypatch):
     assert one_of("FSDP_NATIVE_STALL_ACTION", "log", ("log", "raise")) == "raise"
     monkeypatch.delenv("FSDP_NATIVE_STALL_ACTION")
     assert one_of("FSDP_NATIVE_STALL_ACTION", "log", ("log", "raise")) == "log"
+
+
+class _GlooLikeRecv:
+    """A gloo receive whose peer never sends: ``wait(timeout)`` ends as c10d's does, after the
+    timeout truncated to whole milliseconds, with gloo's error."""
+
+    def __init__(self):
+        self.timeouts = []
+
+    def wait(self, timeout=None):
+        self.timeouts.append(timeout)
+        ms = timeout // timedelta(milliseconds=1)
+        time.sleep(ms / 1000)
+        raise RuntimeError(f"Timed out waiting {ms}ms for recv operation to complete")
+
+
+def test_point_to_point_wait_lasts_its_whole_timeout():
+    """A timed point-to-point wait must not end before its timeout: c10d truncates to whole
+    milliseconds, so the wait is given the timeout rounded up (it ended up to 1 ms early, and
+    the stall watch took gloo's timeout for a failure before the threshold)."""
+    from fsdp_native._comm import P2PWork
+
+    recv = _GlooLikeRecv()
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"^Timed out waiting \d+ms for recv"):
+        P2PWork([recv]).wait(timeout=0.0505)
+    assert time.perf_counter() - t0 >= 0.0505
+    assert recv.timeouts[0] % timedelta(milliseconds=1) == timedelta(0), recv.timeouts
+
+
+def test_point_to_point_stall_raises_the_report(monkeypatch):
+    """Raise mode on a point-to-point wait whose peer never answers: the RuntimeError is the
+    stall report, not gloo's timeout (in one process, no store: the report has this rank)."""
+    from fsdp_native import _stall
+    from fsdp_native._comm import P2PWork
+
+    monkeypatch.setattr(_stall, "STALL_S", 1)
+    monkeypatch.setattr(_stall, "ACTION", "raise")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError) as info:
+            _stall.wait(P2PWork([_GlooLikeRecv()]))
+        assert time.perf_counter() - t0 >= 1
+        assert str(info.value).startswith("fsdp_native stall report (rank "), str(info.value)
+        assert "on collective (point-to-point), collective #" in str(info.value), str(info.value)
+        assert "Timed out waiting" in str(info.value.__cause__)
