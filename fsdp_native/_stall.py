@@ -130,8 +130,9 @@ def _wait_or_raise(work) -> None:
             work.wait(slice_)
             return
         except RuntimeError:
-            if work.is_completed():
-                raise  # the collective failed
+            if work.is_completed():  # failed, or finished right after the slice expired
+                work.wait()  # raises the collective's own error, if any
+                return
         r = s.report
         if r is not None and r[0] == seq:
             raise RuntimeError(r[1])

@@ -299,3 +299,36 @@ def test_point_to_point_stall_raises_the_report(monkeypatch):
         assert str(info.value).startswith("fsdp_native stall report (rank "), str(info.value)
         assert "on collective (point-to-point), collective #" in str(info.value), str(info.value)
         assert "Timed out waiting" in str(info.value.__cause__)
+
+
+class _LateWork:
+    """A collective whose first timed wait expires just as it finishes (successfully, or with
+    `error`): c10d raised "Operation timed out!" and is_completed() is then True."""
+
+    def __init__(self, error: str | None = None):
+        self.error, self.done, self.waits = error, False, 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if not self.done:
+            self.done = True
+            raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+    def is_completed(self):
+        return self.done
+
+
+def test_raise_mode_collective_finishing_as_a_slice_expires(monkeypatch):
+    """Raise mode waits on collectives in slices: one that finished right after its slice
+    expired is done, not failed; one that failed raises its own error."""
+    from fsdp_native import _stall
+
+    monkeypatch.setattr(_stall, "ACTION", "raise")
+    work = _LateWork()
+    _stall.wait(work)
+    assert work.waits == 2
+    with pytest.raises(RuntimeError, match=r"^Connection closed by peer$"):
+        _stall.wait(_LateWork("Connection closed by peer"))
