@@ -33,8 +33,11 @@ from fsdp_native._env import non_negative_int
 _TAG = 0x46534450  # "FSDP"
 
 # Per-peer message size from which gloo collectives become point-to-point exchanges
-# (FSDP_NATIVE_P2P_MIN_BYTES; 0 turns the point-to-point path off).
-P2P_MIN_BYTES = non_negative_int("FSDP_NATIVE_P2P_MIN_BYTES", 4 << 20, "bytes")
+# (FSDP_NATIVE_P2P_MIN_BYTES; 0 turns the point-to-point path off). 2 MiB: the overhead
+# model's 1 MiB messages lose as exchanges (they cannot be polled), while the 2.4 MB fp8
+# all-gathers of 4.7 MB bf16 units win (BENCHMARKS.md "Point-to-point threshold").
+P2P_MIN_BYTES_DEFAULT = 2 << 20
+P2P_MIN_BYTES = non_negative_int("FSDP_NATIVE_P2P_MIN_BYTES", P2P_MIN_BYTES_DEFAULT, "bytes")
 
 
 def _p2p(group: dist.ProcessGroup, nbytes: int) -> bool:

@@ -124,7 +124,7 @@ def _parity_forced(**kw):
         check_parity(**kw)
     finally:
         _comm.P2PWork.__init__ = init
-        _force_p2p(4 << 20)
+        _force_p2p(_comm.P2P_MIN_BYTES_DEFAULT)
     reductions = sum(made)
     assert len(made) - reductions > 0, "no point-to-point all-gather ran"
     if dist.get_world_size() == 2 or kw.get("mesh") == "hsdp":
