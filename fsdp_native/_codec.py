@@ -129,10 +129,13 @@ class ExtensionCodec(Codec):
     def prepare(self, unit) -> int:
         layout, info = self.layout, unit.info
         mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[-1]]
+        staged = unit.shard_device != unit.device  # CPU offload: the shards move to the device first
         inputs = []
         for i, local in enumerate(unit.shard_views):
             if layout.ext[i]:
                 mod = unit.owners[i][0][0]
+                if staged:
+                    local = local.to(unit.device, non_blocking=True)
                 inners, meta = _extension.pre_all_gather(local, mesh, layout.shapes[i], mod, unit.mp)
                 state = self.states[i]
                 state.sizes, state.meta = [t.shape for t in inners], meta
@@ -208,11 +211,14 @@ class QuantCodec(Codec):
         from fsdp_native import quant
 
         inp = out.narrow(0, self.layout.rank * chunk, chunk)
+        shards = unit.shard_views
+        if unit.shard_device != unit.device:  # CPU offload: quantize on the device
+            shards = self.layout.shard_views(unit.sharded_flat.to(unit.device, non_blocking=True))
         if self.plain:  # zeroes the quantized region first (an empty source), then the shards
-            views = [self.empty] + [unit.shard_views[i] for i in self.plain]
+            views = [self.empty] + [shards[i] for i in self.plain]
             ops.all_gather_copy_in(views, self.plain_padded, inp.view(self.layout.param_dtype))
         quant.quantize_copy_in(
-            [unit.shard_views[i] for i in self.q],
+            [shards[i] for i in self.q],
             self.q_padded,
             self.rows,
             inp.narrow(0, 0, self.q_bytes),
@@ -278,7 +284,6 @@ def choose(
     layout: Layout,
     all_gather: QuantizedAllGather | None,
     *,
-    offload: bool,
     post_forward: bool,
     staged: bool,
     device: torch.device,
@@ -288,7 +293,7 @@ def choose(
     codec when `all_gather` asks for one and some parameter qualifies, else the plain one.
     Raises for what a codec does not support."""
     if all_gather is not None:
-        codec = _quant_codec(layout, all_gather, offload, post_forward, device, names)
+        codec = _quant_codec(layout, all_gather, device, names)
         if codec is not None:
             return codec
     if layout.has_ext:
@@ -296,16 +301,12 @@ def choose(
     return PlainCodec(layout, staged, post_forward)
 
 
-def _quant_codec(
-    layout: Layout, policy: QuantizedAllGather, offload: bool, post_forward: bool, device: torch.device, names: list[str] | None = None
-) -> QuantCodec | None:
+def _quant_codec(layout: Layout, policy: QuantizedAllGather, device: torch.device, names: list[str] | None = None) -> QuantCodec | None:
     from fsdp_native import quant
 
     where = f"fully_shard: argument 'all_gather' ({policy.format})"
     if layout.has_ext:
         raise NotImplementedError(f"{where} cannot be combined with tensor-subclass parameters (torch's all-gather extensions)")
-    if offload or post_forward:
-        raise NotImplementedError(f"{where} is not supported with CPU offload or an int reshard_after_forward")
     if layout.gather_bytes:
         raise NotImplementedError(
             f"{where} needs one unsharded dtype per unit, got {sorted({str(d) for d in layout.param_dtypes})}; set "
@@ -323,10 +324,11 @@ def _quant_codec(
     return cls(layout, policy, q, device) if q else None
 
 
-def check_extension_params(params, owners, ext, world_size: int, offload, post_forward) -> None:
+def check_extension_params(params, owners, ext, world_size: int, post_forward) -> None:
     """What fsdp_native supports of torch's all-gather extension protocol, checked at
     fully_shard: dim 0 divisible by the shard world size (each rank's inner tensors must have
-    equal sizes), no CPU offload, no int reshard_after_forward."""
+    equal sizes), no int reshard_after_forward (torch FSDP2 raises NotImplementedError for it
+    in the backward's all-gather)."""
     for p, owner, e in zip(params, owners, ext):
         if not e:
             continue
@@ -337,8 +339,6 @@ def check_extension_params(params, owners, ext, world_size: int, offload, post_f
                 f"fully_shard: {where} has shape {tuple(p.shape)}; a tensor-subclass parameter with "
                 f"fsdp_pre_all_gather needs dim 0 divisible by the shard world size {world_size}"
             )
-        if offload is not None:
-            raise NotImplementedError(f"fully_shard: {where} uses the all-gather extension protocol, which fsdp_native does not support with CPU offload")
         if post_forward is not None:
             raise NotImplementedError(
                 f"fully_shard: {where} uses the all-gather extension protocol, which fsdp_native does not support with "

@@ -119,7 +119,7 @@ class Unit:
             self.owners = owners
         self.layout = layout = Layout(params, ws, rank, param_dtypes)
         if layout.has_ext:
-            _codec.check_extension_params(params, owners, layout.ext, ws, offload, post_forward)
+            _codec.check_extension_params(params, owners, layout.ext, ws, post_forward)
         # The reduce dtype the policy fixes (None: that of the gradients, checked when they are
         # reduced). reduce_dtype=None follows the installed torch (_compat.REDUCE_IN_ORIG_DTYPE).
         self.policy_reduce_dtype = mp.reduce_dtype
@@ -136,10 +136,12 @@ class Unit:
         self.device = info.device
         self.streams = streams_for(info.device)  # replaced by the root's shared streams at lazy init
         self.shard_device = torch.device("cpu") if offload is not None else info.device
+        # Offloaded shards in pinned memory when the policy asks (as torch FSDP2), so their
+        # copies to the GPU are asynchronous.
+        self._pin = offload is not None and offload.pin_memory and info.device.type == "cuda"
         self.codec = _codec.choose(
             layout,
             all_gather,
-            offload=offload is not None,
             post_forward=post_forward is not None,
             staged=self.shard_device != self.device,
             device=self.device,
@@ -168,7 +170,7 @@ class Unit:
     def _shard(self, params: list[nn.Parameter]) -> None:
         device = params[0].device if params and params[0].is_meta else self.shard_device
         layout = self.layout
-        flat = torch.zeros(sum(layout.shard_units), dtype=layout.orig_dtype, device=device)
+        flat = self._new_flat(device)
         self.sharded_flat = flat
         self.shard_views = layout.shard_views(flat)
         self.sharded_params = []
@@ -191,9 +193,22 @@ class Unit:
                 for mod, name in self.owners[i]:
                     mod._parameters[name] = sp
 
+    def _new_flat(self, device: torch.device) -> torch.Tensor:
+        """A zeroed flat sharded buffer on `device` (pinned for an offloaded CUDA unit)."""
+        pin = self._pin and device.type == "cpu"
+        return torch.zeros(sum(self.layout.shard_units), dtype=self.layout.orig_dtype, device=device, pin_memory=pin)
+
+    def _to_shard_device(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.shard_device)
+        return t.pin_memory() if self._pin and not t.is_pinned() else t
+
     def _shard_extension(self, i: int, p: nn.Parameter) -> None:
-        """A subclass parameter keeps its own rank-local shard (dim 0 divides evenly)."""
+        """A subclass parameter keeps its own rank-local shard (dim 0 divides evenly), on the
+        CPU with CPU offload (as torch FSDP2: its fsdp_pre_all_gather then runs on a copy
+        moved to the device)."""
         local = torch.chunk(p.detach(), self.world_size, dim=0)[self.rank]
+        if not local.is_meta and local.device != self.shard_device:
+            local = self._to_shard_device(local)
         dt = DTensor.from_local(local, self.info.mesh, self.info.placements, run_check=False, shape=p.shape, stride=p.stride())
         sp = nn.Parameter(dt, requires_grad=p.requires_grad)
         self.shard_views[i] = sp._local_tensor
@@ -224,11 +239,13 @@ class Unit:
         if not device.type == "meta" and self.offload is not None:
             device = torch.device("cpu")
         layout = self.layout
-        flat = torch.zeros(sum(layout.shard_units), dtype=layout.orig_dtype, device=device)
+        flat = self._new_flat(device)
         views = layout.shard_views(flat)
         with torch.no_grad():
             for i, (p, loc, view) in enumerate(zip(params, locals_, views)):
-                if layout.ext[i]:  # a subclass shard stays as it is
+                if layout.ext[i]:  # a subclass shard stays as it is (on the CPU with offload)
+                    if self.offload is not None and not loc.is_meta and loc.device != self.shard_device:
+                        loc = p._local_tensor = self._to_shard_device(loc)
                     views[i] = loc
                     p._fsdp_native_unit = self
                     continue

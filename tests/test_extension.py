@@ -60,11 +60,13 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _train(impl, mp: bool, reshard: bool, hsdp: bool = False) -> dict:
+def _train(impl, mp: bool, reshard: bool, hsdp: bool = False, offload: bool = False) -> dict:
     mesh = mesh_of("hsdp" if hsdp else "1d")
     torch.manual_seed(0)
     model = Model()
     kw = dict(mesh=mesh, reshard_after_forward=reshard)
+    if offload:  # torchtune's QLoRA with fsdp_cpu_offload (no pinning: no GPU here)
+        kw["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
     if mp:
         kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in model.blocks:
@@ -86,11 +88,11 @@ def _train(impl, mp: bool, reshard: bool, hsdp: bool = False) -> dict:
     return dict(losses=losses, params=params, nf4=dequant, model=model)
 
 
-def _check(mp: bool, reshard: bool, hsdp: bool = False) -> None:
+def _check(mp: bool, reshard: bool, hsdp: bool = False, offload: bool = False) -> None:
     impl, torch_impl = load_impl(), ref_impl()
-    ref = _train(torch_impl, mp, reshard, hsdp)
-    got = _train(impl, mp, reshard, hsdp)
-    tag = f"[{impl.name} vs torch, NF4 QLoRA mp={mp} hsdp={hsdp}]"
+    ref = _train(torch_impl, mp, reshard, hsdp, offload)
+    got = _train(impl, mp, reshard, hsdp, offload)
+    tag = f"[{impl.name} vs torch, NF4 QLoRA mp={mp} hsdp={hsdp} offload={offload}]"
     assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
     for n, v in ref["params"].items():
         assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
@@ -110,7 +112,11 @@ def _check(mp: bool, reshard: bool, hsdp: bool = False) -> None:
 
 
 def _grid():
-    run_grid([dict(mp=False, reshard=True), dict(mp=True, reshard=True), dict(mp=True, reshard=False)], _check, name="nf4")
+    run_grid(
+        [dict(mp=False, reshard=True), dict(mp=True, reshard=True), dict(mp=True, reshard=False), dict(mp=True, reshard=True, offload=True)],
+        _check,
+        name="nf4",
+    )
 
 
 def test_nf4_qlora_parity_world_size_2():

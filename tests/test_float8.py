@@ -49,7 +49,7 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _train(impl, hsdp: bool, precompute: bool, mp: bool, steps: int = 4) -> dict:
+def _train(impl, hsdp: bool, precompute: bool, mp: bool, offload: bool = False, steps: int = 4) -> dict:
     mesh = mesh_of("hsdp" if hsdp else "1d")
     torch.manual_seed(0)
     model = Model()
@@ -57,6 +57,8 @@ def _train(impl, hsdp: bool, precompute: bool, mp: bool, steps: int = 4) -> dict
     # The head stays in high precision, as torchtitan does for the output layer.
     convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "head")
     kw = dict(mesh=mesh)
+    if offload:
+        kw["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
     if mp:
         kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in model.blocks:
@@ -78,11 +80,11 @@ def _train(impl, hsdp: bool, precompute: bool, mp: bool, steps: int = 4) -> dict
     return dict(losses=losses, params=params, model=model)
 
 
-def _check(hsdp: bool, precompute: bool, mp: bool) -> None:
+def _check(hsdp: bool, precompute: bool, mp: bool, offload: bool = False) -> None:
     impl, torch_impl = load_impl(), ref_impl()
-    ref = _train(torch_impl, hsdp, precompute, mp)
-    got = _train(impl, hsdp, precompute, mp)
-    tag = f"[{impl.name} vs torch, Float8 hsdp={hsdp} precompute={precompute} mp={mp}]"
+    ref = _train(torch_impl, hsdp, precompute, mp, offload)
+    got = _train(impl, hsdp, precompute, mp, offload)
+    tag = f"[{impl.name} vs torch, Float8 hsdp={hsdp} precompute={precompute} mp={mp} offload={offload}]"
     assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
     for n, v in ref["params"].items():
         assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
@@ -104,6 +106,8 @@ def _grid(hsdp_ok: bool) -> None:
     configs = [dict(hsdp=False, precompute=p, mp=m) for p in (False, True) for m in (False, True)]
     if hsdp_ok:
         configs += [dict(hsdp=True, precompute=True, mp=False)]
+    elif dist.get_world_size() > 1:
+        configs += [dict(hsdp=False, precompute=True, mp=True, offload=True)]
     run_grid(configs, _check, name="float8")
 
 

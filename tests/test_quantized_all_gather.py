@@ -29,7 +29,7 @@ ARGS = ModelArgs(n_layers=2, dim=64, vocab_size=128, max_seq_len=16, n_heads=4)
 BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _build(fmt: str | None, mesh, frozen_blocks: bool = False, seed: int = 0, args: ModelArgs = ARGS):
+def _build(fmt: str | None, mesh, frozen_blocks: bool = False, seed: int = 0, args: ModelArgs = ARGS, **shard_kw):
     import fsdp_native
 
     torch.manual_seed(seed)
@@ -42,8 +42,8 @@ def _build(fmt: str | None, mesh, frozen_blocks: bool = False, seed: int = 0, ar
     mp = fsdp_native.MixedPrecisionPolicy(**BF16)
     ag = None if fmt is None else fsdp_native.QuantizedAllGather(fmt, min_numel=256)
     for layer in model.layers:
-        fsdp_native.fully_shard(layer, mesh=mesh, mp_policy=mp, all_gather=ag)
-    fsdp_native.fully_shard(model, mesh=mesh, mp_policy=mp)
+        fsdp_native.fully_shard(layer, mesh=mesh, mp_policy=mp, all_gather=ag, **shard_kw)
+    fsdp_native.fully_shard(model, mesh=mesh, mp_policy=mp, **shard_kw)
     return model
 
 
@@ -157,6 +157,57 @@ def _training_grid():
 
 def test_quantized_training_follows_bf16():
     run_distributed(_training_grid, 2)
+
+
+def _train_with(fmt: str, steps: int = 3, **shard_kw) -> tuple[list[float], dict, set]:
+    """Losses, full parameters and the group sizes of layers.0's all-gathers."""
+    import fsdp_native
+    from dist_utils import full
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    model = _build(fmt, init_device_mesh("cpu", (ws,)), frozen_blocks=fmt == "nf4", **shard_kw)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    with fsdp_native.record_trace() as rec:
+        for _ in range(steps):
+            x = torch.randint(0, ARGS.vocab_size, (4 * ws, ARGS.max_seq_len), generator=gen)[rank * 4 : (rank + 1) * 4]
+            loss = lm_loss(model(x).float(), x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    groups = {s.args.get("group_size", ws) for s in rec.spans if s.lane == "all_gather" and s.unit == "layers.0"}
+    return losses, {n: full(p) for n, p in model.named_parameters()}, groups
+
+
+def _check_policies(fmt: str) -> None:
+    """CPU offload and an int reshard_after_forward change where the shards live and which
+    group the backward gathers in, not the numbers: the same quantized bytes are dequantized
+    (the backward re-gathers the forward's quantized chunks within the smaller group)."""
+    import fsdp_native
+
+    ws = dist.get_world_size()
+    ref_losses, ref_params, ref_groups = _train_with(fmt)
+    assert ref_groups == {ws}, ref_groups
+    variants = {
+        "CPUOffloadPolicy": (dict(offload_policy=fsdp_native.CPUOffloadPolicy(pin_memory=False)), {ws}),
+        "reshard_after_forward=2": (dict(reshard_after_forward=2), {ws, 2}),
+    }
+    for name, (kw, groups) in variants.items():
+        losses, params, got_groups = _train_with(fmt, **kw)
+        assert losses == ref_losses, f"{fmt} with {name}: losses {losses}, expected {ref_losses}"
+        for n, v in ref_params.items():
+            assert torch.equal(params[n], v), f"{fmt} with {name}: parameter {n!r} differs"
+        assert got_groups == groups, f"{fmt} with {name}: layers.0 gathered in groups of {sorted(got_groups)}, expected {sorted(groups)}"
+
+
+def _policies_grid():
+    run_grid([dict(fmt=f) for f in ("fp8_rowwise", "nf4")], _check_policies, name="quant-policies")
+
+
+def test_quantized_all_gather_with_offload_and_int_reshard_after_forward():
+    run_distributed(_policies_grid, 4, timeout=360)
 
 
 def _errors() -> None:
