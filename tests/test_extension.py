@@ -170,3 +170,85 @@ def test_extension_errors():
     if load_impl().name != "fsdp_native":
         pytest.skip("fsdp_native's own error messages")
     run_distributed(_errors, 4)
+
+
+def _load_full_state_dict(model, full_sd: dict, offload: bool) -> None:
+    """What torchtune's QLoRA recipe does after sharding a model built on the meta device: each
+    NF4 weight is quantized again from the full bf16 weight and this rank's dim-0 chunk wrapped
+    as a DTensor by hand, the other tensors are distributed; then load_state_dict(assign=True)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    sharded = {}
+    for name, meta in model.state_dict().items():
+        full_t = full_sd[name].to(meta.dtype)
+        if isinstance(meta._local_tensor, NF4Tensor):
+            mesh = meta.device_mesh
+            local = torch.chunk(to_nf4(full_t, block_size=32, scaler_block_size=32), mesh.size(0), dim=0)[mesh.get_local_rank(0)]
+            t = DTensor.from_local(local, mesh, meta.placements, run_check=False, shape=meta.shape, stride=meta.stride())
+        else:
+            t = distribute_tensor(full_t, meta.device_mesh, meta.placements)
+        sharded[name] = nn.Parameter(t.cpu() if offload else t, requires_grad=meta.requires_grad)
+    model.load_state_dict(sharded, assign=True)
+
+
+def _full_state_dict(model) -> dict:
+    """torchtune's full state dict of an NF4 model: each unit unsharded in turn, innermost
+    first, its parameters read (NF4 dequantized), then resharded."""
+    out = {}
+    for prefix, module in reversed(list(model.named_modules())):
+        if not hasattr(module, "unshard"):
+            continue
+        module.unshard()
+        for name, p in module.named_parameters():
+            fqn = f"{prefix}.{name}" if prefix else name
+            if fqn not in out:
+                out[fqn] = (p.get_original_weight() if hasattr(p, "get_original_weight") else p.detach()).clone()
+        module.reshard()
+    return out
+
+
+def _train_torchtune_flow(impl, offload: bool) -> dict:
+    mesh = mesh_of("1d")
+    torch.manual_seed(0)
+    full_sd = {n: (t.get_original_weight() if hasattr(t, "get_original_weight") else t.detach()) for n, t in Model().state_dict().items()}
+    with torch.device("meta"):
+        model = Model()
+    kw = dict(mesh=mesh, mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    if offload:
+        kw["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
+    for b in model.blocks:
+        impl.fully_shard(b, **kw)
+    impl.fully_shard(model, **kw)
+    _load_full_state_dict(model, full_sd, offload)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(4, DIM, generator=gen)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, full=_full_state_dict(model))
+
+
+def _check_torchtune_flow(offload: bool) -> None:
+    impl, torch_impl = load_impl(), ref_impl()
+    ref = _train_torchtune_flow(torch_impl, offload)
+    got = _train_torchtune_flow(impl, offload)
+    tag = f"[{impl.name} vs torch, torchtune QLoRA flow offload={offload}]"
+    assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
+    assert sorted(got["full"]) == sorted(ref["full"]), (sorted(got["full"]), sorted(ref["full"]))
+    for n, v in ref["full"].items():
+        assert_close(f"{tag} full state dict {n!r}", got["full"][n], v, EXACT)
+
+
+def _grid_torchtune():
+    run_grid([dict(offload=False), dict(offload=True)], _check_torchtune_flow, name="nf4-torchtune")
+
+
+def test_nf4_qlora_torchtune_flow_world_size_2():
+    """Meta-device model, fully_shard, the NF4 and plain weights loaded as sharded DTensors
+    with assign=True, training, and the full state dict read by unsharding unit by unit."""
+    run_distributed(_grid_torchtune, 2)
