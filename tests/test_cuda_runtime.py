@@ -7,7 +7,8 @@ one-rank NCCL process group. Skipped without a GPU.
   sizes are not multiples of 4), as the CPU parity tests allow;
 * bf16 mixed precision (bf16 parameters, fp32 reduction) within bf16 rounding, trained with
   SGD (an update linear in the gradient: AdamW's first steps are about lr * sign(gradient),
-  which turns a rounding difference in a gradient near zero into a difference of 2 * lr).
+  which turns a rounding difference in a gradient near zero into a difference of 2 * lr);
+* with CPUOffloadPolicy() (pinned shards, checked) in both, at the same tolerances.
 Attention runs on the math SDPA backend and deterministic algorithms are on, so both
 implementations run the same kernels in the same order; TF32 is off.
 
@@ -108,7 +109,7 @@ def _impls():
     return {"torch": torch_fsdp, "fsdp_native": fsdp_native}
 
 
-def _train(impl, args, mp: bool, reshard: bool, meta: bool) -> dict:
+def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -122,6 +123,8 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool) -> dict:
     kw = dict(mesh=mesh, reshard_after_forward=reshard)
     if mp:
         kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:  # shards and gradients on the CPU, pinned (the policy's default)
+        kw["offload_policy"] = impl.CPUOffloadPolicy()
     for layer in model.layers:
         impl.fully_shard(layer, **kw)
     impl.fully_shard(model, **kw)
@@ -129,7 +132,11 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool) -> dict:
         model.to_empty(device="cuda")
         torch.manual_seed(1)
         model.reset_parameters()
-    assert all(isinstance(p, DTensor) and p.device.type == "cuda" for p in model.parameters())
+    where = "cpu" if offload else "cuda"
+    assert all(isinstance(p, DTensor) and p.device.type == where for p in model.parameters())
+    if offload:
+        unpinned = [n for n, p in model.named_parameters() if not p.to_local().is_pinned()]
+        assert not unpinned, f"{impl.__name__}: offloaded shards not in pinned memory: {unpinned}"
     # foreach=False for both: on CUDA the default picks the foreach implementation only for
     # parameters whose type is exactly Tensor or DTensor, so torch FSDP2's parameters would get
     # it and fsdp_native's (a DTensor subclass) the per-parameter loop, which rounds differently.
@@ -146,17 +153,19 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach().float().cpu())
-    params = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+    # One rank: the local shard is the whole parameter (an offloaded one is on the CPU, which
+    # NCCL cannot gather).
+    params = {n: p.to_local().detach().cpu() for n, p in model.named_parameters()}
     return {"losses": torch.stack(losses), "params": params}
 
 
-def _compare(model: str, mp: bool, reshard: bool, meta: bool) -> None:
+def _compare(model: str, mp: bool, reshard: bool, meta: bool, offload: bool = False) -> None:
     from models import EVEN, ODD
 
     args = EVEN if model == "even" else ODD
     impls = _impls()
-    ref = _train(impls["torch"], args, mp, reshard, meta)
-    got = _train(impls["fsdp_native"], args, mp, reshard, meta)
+    ref = _train(impls["torch"], args, mp, reshard, meta, offload)
+    got = _train(impls["fsdp_native"], args, mp, reshard, meta, offload)
     assert got["params"].keys() == ref["params"].keys()
     if mp:  # bf16 compute: rounding differences (another kernel for another alignment) stay small
         tol = dict(rtol=2e-2, atol=1e-3)
@@ -181,6 +190,8 @@ def _parity_grid() -> list[str]:
         dict(model="odd", mp=False, reshard=True, meta=False),
         dict(model="even", mp=True, reshard=True, meta=False),
         dict(model="odd", mp=True, reshard=False, meta=True),
+        dict(model="even", mp=False, reshard=True, meta=False, offload=True),
+        dict(model="even", mp=True, reshard=True, meta=True, offload=True),
     ]
     return grid_failures(configs, _compare)
 
