@@ -182,7 +182,10 @@ class ExtensionCodec(Codec):
 class QuantCodec(Codec):
     """fsdp_native's quantized all-gather. One rank's chunk, in bytes:
     ``[quantized codes and scales (quant.unit_layout)][the other parameters' padded shards in
-    the unsharded dtype]``; the copy-in is one quantize kernel for the unit."""
+    the unsharded dtype]``; the copy-in is one quantize kernel for the unit. In a unit with
+    several unsharded dtypes (no cast: each parameter's own, e.g. fp32 adapters beside bf16
+    frozen weights) the other parameters travel as bytes, and the chunk is padded to 8 bytes
+    so every rank's chunk starts aligned."""
 
     dtype = torch.uint8
 
@@ -195,10 +198,12 @@ class QuantCodec(Codec):
         self.plain = [i for i in range(len(layout.shapes)) if i not in q]
         self.rows = [math.prod(layout.shapes[i][1:]) for i in q]
         self.q_padded = [layout.padded[i] for i in q]
-        itemsize = layout.param_dtype.itemsize
+        itemsize = layout.param_dtype.itemsize  # 1 when the unit gathers bytes
         self.q_bytes = quant.unit_layout(self.q_padded, self.rows, policy.format, block_size=policy.block_size).rank_nbytes
-        self.chunk = self.q_bytes + sum(layout.padded[i] for i in self.plain) * itemsize
-        self.plain_padded = [self.q_bytes // itemsize] + [layout.padded[i] for i in self.plain]
+        plain_bytes = sum(layout.ag_padded[i] for i in self.plain) * itemsize
+        self.tail = -(self.q_bytes + plain_bytes) % 8 if layout.gather_bytes else 0
+        self.chunk = self.q_bytes + plain_bytes + self.tail
+        self.plain_padded = [self.q_bytes // itemsize] + [layout.ag_padded[i] for i in self.plain] + ([self.tail] if self.tail else [])
         self.empty = torch.empty(0, dtype=layout.param_dtype, device=device)
         self._zero_others: bool | None = None  # decided at the first all-gather (the group's backend)
 
@@ -214,8 +219,11 @@ class QuantCodec(Codec):
         shards = unit.shard_views
         if unit.shard_device != unit.device:  # CPU offload: quantize on the device
             shards = self.layout.shard_views(unit.sharded_flat.to(unit.device, non_blocking=True))
-        if self.plain:  # zeroes the quantized region first (an empty source), then the shards
-            views = [self.empty] + [shards[i] for i in self.plain]
+        if self.plain or self.tail:  # zeroes the quantized region first (an empty source), then the shards
+            if self.layout.gather_bytes:
+                views = [self.empty] + [shards[i].reshape(-1).view(torch.uint8) for i in self.plain] + ([self.empty] if self.tail else [])
+            else:
+                views = [self.empty] + [shards[i] for i in self.plain]
             ops.all_gather_copy_in(views, self.plain_padded, inp.view(self.layout.param_dtype))
         quant.quantize_copy_in(
             [shards[i] for i in self.q],
@@ -238,14 +246,22 @@ class QuantCodec(Codec):
     def copy_out(self, unit, out: torch.Tensor) -> int:
         from fsdp_native import quant
 
-        ws = self.layout.world_size
+        layout = self.layout
+        ws = layout.world_size
         gathered = out.view(ws, self.chunk)[:, : self.q_bytes]
-        outs = unit._unsharded_plain
+        outs = unit._unsharded_plain  # bytes when the unit gathers bytes
         quant.dequantize_copy_out(
-            gathered, self.q_padded, self.rows, ws, [outs[i] for i in self.q], format=self.policy.format, block_size=self.policy.block_size
+            gathered,
+            self.q_padded,
+            self.rows,
+            ws,
+            [outs[i].view(layout.param_dtypes[i]) for i in self.q],
+            format=self.policy.format,
+            block_size=self.policy.block_size,
         )
         if self.plain:
-            ops.all_gather_copy_out(out.view(self.layout.param_dtype), self.plain_padded, ws, [self.empty] + [outs[i] for i in self.plain])
+            targets = [self.empty] + [outs[i] for i in self.plain] + ([self.empty] if self.tail else [])
+            ops.all_gather_copy_out(out.view(layout.param_dtype), self.plain_padded, ws, targets)
         return 0
 
 
@@ -307,10 +323,11 @@ def _quant_codec(layout: Layout, policy: QuantizedAllGather, device: torch.devic
     where = f"fully_shard: argument 'all_gather' ({policy.format})"
     if layout.has_ext:
         raise NotImplementedError(f"{where} cannot be combined with tensor-subclass parameters (torch's all-gather extensions)")
-    if layout.gather_bytes:
+    if layout.gather_bytes and layout.needs_cast:
         raise NotImplementedError(
-            f"{where} needs one unsharded dtype per unit, got {sorted({str(d) for d in layout.param_dtypes})}; set "
-            "mp_policy.param_dtype"
+            f"{where} with several unsharded dtypes in a unit needs them to be the parameters' own, got casts from "
+            f"{sorted({str(d) for d in layout.orig_dtypes})} to {sorted({str(d) for d in layout.param_dtypes})} "
+            "(mp_policy.param_dtype_override_fn); set mp_policy.param_dtype for all, or none"
         )
     cls = Nf4Codec if policy.format == quant.NF4 else Fp8Codec
     q = [i for i in range(len(layout.shapes)) if cls.quantizes(layout, i, policy)]

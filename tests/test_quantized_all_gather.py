@@ -8,6 +8,10 @@
   most 0.30x the bf16 bytes of the quantized parameters, scales included.
 * Training with an fp8 all-gather follows the bf16 all-gather's losses within a stated
   tolerance; NF4 on frozen weights with trainable adapters too.
+* A unit of several dtypes with no param_dtype (bf16 weight and bias, fp32 norm and adapters,
+  odd sizes) gathers the quantized parameters (each dequantized into its own dtype) and the
+  others as bytes, bit for bit as the reference, and trains.
+* CPU offload and an int reshard_after_forward give the same numbers as without them.
 * Bad policies raise clear errors.
 """
 from __future__ import annotations
@@ -159,6 +163,72 @@ def test_quantized_training_follows_bf16():
     run_distributed(_training_grid, 2)
 
 
+class _MixedBlock(nn.Module):
+    """bf16 weight (quantized; frozen for NF4) beside fp32 norm and low-rank adapters, odd
+    sizes: a unit of several dtypes gathered without a param_dtype."""
+
+    def __init__(self, dim: int = 62, out: int = 94, rank: int = 3):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.w = nn.Linear(dim, out).to(torch.bfloat16)  # its bias: 94 bytes per rank, so the chunk needs tail padding
+        self.a = nn.Linear(dim, rank, bias=False)
+        self.b = nn.Linear(rank, out, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.w(h.to(torch.bfloat16)).float() + self.b(self.a(h))
+
+
+def _check_mixed_dtypes(fmt: str) -> None:
+    import fsdp_native
+    from fsdp_native import _quant_ref, ops
+    from dist_utils import full
+
+    ws = dist.get_world_size()
+    torch.manual_seed(0)
+    block = _MixedBlock()
+    if fmt == "nf4":
+        block.w.requires_grad_(False)
+    mp = fsdp_native.MixedPrecisionPolicy(reduce_dtype=torch.float32)  # each parameter's own dtype
+    fsdp_native.fully_shard(block, mesh=init_device_mesh("cpu", (ws,)), mp_policy=mp, all_gather=fsdp_native.QuantizedAllGather(fmt, min_numel=256))
+    fulls = {n: full(p) for n, p in block.named_parameters()}
+    seen = {}
+    block.register_forward_pre_hook(lambda m, a: seen.update({n: p.detach().clone() for n, p in m.named_parameters()}))
+    opt = torch.optim.AdamW([p for p in block.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x, target = torch.randn(8, 62, generator=gen), torch.randn(8, 94, generator=gen)
+    losses = []
+    for step in range(8):
+        loss = (block(x) - target).pow(2).mean()
+        if step == 0:
+            for n, w in fulls.items():
+                # Quantized: 2-D, at least min_numel elements, frozen for NF4 (the bf16 w; for
+                # fp8 also the fp32 adapter b), each dequantized into its own dtype.
+                if w.dim() == 2 and w.numel() >= 256 and (fmt != "nf4" or n == "w.weight"):
+                    padded, row = ops.padded_shard_numel(w.shape, ws), w.shape[1]
+                    flat = w.reshape(-1)
+                    chunks = [_quant_ref.quantize([flat[r * padded : (r + 1) * padded]], [padded], [row], fmt) for r in range(ws)]
+                    want = _quant_ref.dequantize(torch.cat(chunks), [padded], [row], ws, fmt, [w.numel()], [w.dtype])[0].view(w.shape)
+                    assert not torch.equal(want, w), n  # the check would not notice a missing quantization
+                else:
+                    want = w
+                got = seen[n]
+                assert got.dtype == want.dtype and torch.equal(got, want), f"{fmt}: unsharded {n!r} ({got.dtype}) differs from the reference"
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], f"{fmt}: the mixed-dtype unit did not train: {losses}"
+
+
+def _mixed_grid():
+    run_grid([dict(fmt=f) for f in ("fp8_rowwise", "fp8_tensorwise", "nf4")], _check_mixed_dtypes, name="quant-mixed-dtypes")
+
+
+def test_quantized_all_gather_in_a_unit_of_several_dtypes():
+    run_distributed(_mixed_grid, 2)
+
+
 def _train_with(fmt: str, steps: int = 3, **shard_kw) -> tuple[list[float], dict, set]:
     """Losses, full parameters and the group sizes of layers.0's all-gathers."""
     import fsdp_native
@@ -236,11 +306,15 @@ def _errors() -> None:
         lambda: fsdp_native.fully_shard(nn.Linear(4, 4), mesh=mesh, all_gather=fsdp_native.QuantizedAllGather("nf4", block_size=48)),
     )
     m = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64).to(torch.bfloat16))
+    keep_norm = fsdp_native.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: p.dtype if p.dim() == 1 else None
+    )
     expect(
         NotImplementedError,
-        "fully_shard: argument 'all_gather' (fp8_rowwise) needs one unsharded dtype per unit, got ['torch.bfloat16', "
-        "'torch.float32']; set mp_policy.param_dtype",
-        lambda: fsdp_native.fully_shard(m, mesh=mesh, all_gather=fsdp_native.QuantizedAllGather("fp8_rowwise")),
+        "fully_shard: argument 'all_gather' (fp8_rowwise) with several unsharded dtypes in a unit needs them to be the "
+        "parameters' own, got casts from ['torch.bfloat16', 'torch.float32'] to ['torch.bfloat16', 'torch.float32'] "
+        "(mp_policy.param_dtype_override_fn); set mp_policy.param_dtype for all, or none",
+        lambda: fsdp_native.fully_shard(m, mesh=mesh, mp_policy=keep_norm, all_gather=fsdp_native.QuantizedAllGather("fp8_rowwise")),
     )
     expect(
         ValueError,
