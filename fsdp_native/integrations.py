@@ -41,6 +41,7 @@ Not covered: Transformers' own load-time sharding (``from_pretrained(distributed
 from __future__ import annotations
 
 import dis
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -208,9 +209,10 @@ class AccelerateIntegration:
     """What :func:`use_with_accelerate` patched. ``restore()`` (or leaving the ``with`` block)
     puts everything back; calling it twice is harmless."""
 
-    def __init__(self, cpu: bool, fsdp_native: bool = True):
+    def __init__(self, cpu: bool, fsdp_native: bool = True, all_gather=None):
         self.cpu = cpu
         self.fsdp_native = fsdp_native
+        self.all_gather = all_gather
         self._undo: list[Callable[[], None]] = []
         self.active = False
 
@@ -247,7 +249,8 @@ class AccelerateIntegration:
         if self.fsdp_native:
             import fsdp_native
 
-            self._set_attr(tfsdp, "fully_shard", fsdp_native.fully_shard)
+            fn = fsdp_native.fully_shard if self.all_gather is None else _with_all_gather(fsdp_native.fully_shard, self.all_gather)
+            self._set_attr(tfsdp, "fully_shard", fn)
         if self.cpu:
             self._set_env("ACCELERATE_USE_CPU", "true")
             from accelerate.state import AcceleratorState
@@ -273,7 +276,31 @@ class AccelerateIntegration:
         self.restore()
 
     def __repr__(self) -> str:
-        return f"AccelerateIntegration(fsdp_native={self.fsdp_native}, cpu={self.cpu}, active={self.active})"
+        ag = "" if self.all_gather is None else f", all_gather={self.all_gather!r}"
+        return f"AccelerateIntegration(fsdp_native={self.fsdp_native}, cpu={self.cpu}{ag}, active={self.active})"
+
+
+def _with_all_gather(fully_shard, policy):
+    """``fully_shard`` that gives the blocks of Accelerate's auto-wrap policy the quantized
+    all-gather ``policy``: a call with one module that holds no other unit and is not an
+    embedding. Accelerate's other units gather unquantized: the input embedding, the tail
+    (final norm and output layer, sharded as a list) and the root."""
+    import torch.nn as nn
+
+    import fsdp_native
+
+    @functools.wraps(fully_shard)
+    def wrapped(module, **kwargs):
+        block = (
+            isinstance(module, nn.Module)
+            and not isinstance(module, nn.Embedding)
+            and not any(isinstance(sub, fsdp_native.FSDPModule) for sub in module.modules() if sub is not module)
+        )
+        if block and kwargs.get("all_gather") is None:
+            kwargs["all_gather"] = policy
+        return fully_shard(module, **kwargs)
+
+    return wrapped
 
 
 def _fsdp_on_cpu_init(orig_init):
@@ -324,13 +351,17 @@ def _fsdp_on_cpu_init(orig_init):
     return __init__
 
 
-def use_with_accelerate(*, cpu: bool = False) -> AccelerateIntegration:
+def use_with_accelerate(*, cpu: bool = False, all_gather=None) -> AccelerateIntegration:
     """Make Accelerate (and the Transformers Trainer) shard with fsdp_native.
 
     Args:
         cpu: also run real FSDP on CPU processes (gloo) instead of Accelerate's fallback to
             DDP or to one non-distributed run per rank. Forces Accelerate onto the CPU, as
             ``accelerate launch --cpu`` does, even where a GPU is present.
+        all_gather: a :class:`fsdp_native.QuantizedAllGather` for the transformer blocks of
+            Accelerate's auto-wrap policy (each unit of one module that holds no other unit
+            and is not an embedding); the embeddings, the final norm and output layer, and
+            the root gather unquantized. ``None``: no quantized all-gather.
 
     Returns:
         A handle; ``handle.restore()``, or using it as a context manager, undoes the patches.
@@ -344,7 +375,14 @@ def use_with_accelerate(*, cpu: bool = False) -> AccelerateIntegration:
     """
     if not isinstance(cpu, bool):
         raise TypeError(f"use_with_accelerate: argument 'cpu' is {cpu!r}, expected True or False")
-    handle = _install("use_with_accelerate", fsdp_native=True, cpu=cpu)
+    from fsdp_native import QuantizedAllGather
+
+    if all_gather is not None and not isinstance(all_gather, QuantizedAllGather):
+        raise TypeError(
+            f"use_with_accelerate: argument 'all_gather' is a {type(all_gather).__name__}, expected a "
+            "fsdp_native.QuantizedAllGather or None"
+        )
+    handle = _install("use_with_accelerate", fsdp_native=True, cpu=cpu, all_gather=all_gather)
     if not cpu:
         import torch
 
@@ -365,7 +403,7 @@ def enable_accelerate_cpu_fsdp() -> AccelerateIntegration:
     return _install("enable_accelerate_cpu_fsdp", fsdp_native=False, cpu=True)
 
 
-def _install(what: str, *, fsdp_native: bool, cpu: bool) -> AccelerateIntegration:
+def _install(what: str, *, fsdp_native: bool, cpu: bool, all_gather=None) -> AccelerateIntegration:
     if importlib.util.find_spec("accelerate") is None:
         raise ImportError(
             f"{what}: accelerate is not installed "
@@ -384,7 +422,7 @@ def _install(what: str, *, fsdp_native: bool, cpu: bool) -> AccelerateIntegratio
             f"fsdp_native.integrations.{what}({'cpu=True' if cpu and fsdp_native else ''}) does not know the "
             f"hook points of the installed {installed} (tested with {_tested_text()}): " + "; ".join(problems)
         )
-    handle = AccelerateIntegration(cpu, fsdp_native=fsdp_native)
+    handle = AccelerateIntegration(cpu, fsdp_native=fsdp_native, all_gather=all_gather)
     with _LOCK:
         try:
             handle._apply()

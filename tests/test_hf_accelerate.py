@@ -36,14 +36,17 @@ def accelerate_run(
     save_dir=None,
     load_dir=None,
     hsdp=False,
+    all_gather=None,
+    on_prepared=None,
 ):
-    """Train ``steps`` optimizer steps (from step ``start``); returns (losses, full params)."""
+    """Train ``steps`` optimizer steps (from step ``start``); returns (losses, full params).
+    ``on_prepared(model, batch)`` runs right after ``Accelerator.prepare``."""
     import torch
     import torch.distributed as dist
 
     reset_accelerate()
     rank, world = dist.get_rank(), dist.get_world_size()
-    with impl_handle(impl):
+    with impl_handle(impl, all_gather):
         from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
         plugin = FullyShardedDataParallelPlugin(
@@ -67,6 +70,8 @@ def accelerate_run(
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         model, opt = acc.prepare(model, opt)
         check_impl(model, impl)
+        if on_prepared is not None:
+            on_prepared(model, token_batches(1, bsz=2)[0])
         if hsdp:
             mesh = next(model.parameters()).device_mesh
             assert mesh.ndim == 2 and tuple(mesh.shape) == (2, world // 2), mesh
@@ -117,6 +122,38 @@ def _train_grid():
 
 
 
+def _gathers(model, x) -> dict:
+    """{unit: (quantized format or None, bytes)} of the all-gathers of one no-grad forward."""
+    import torch
+
+    import fsdp_native
+
+    with torch.no_grad(), fsdp_native.record_trace() as rec:
+        model(input_ids=x)
+    return {s.unit: (s.args.get("format"), s.nbytes) for s in rec.spans if s.lane == "all_gather"}
+
+
+def _quantized(fmt: str) -> None:
+    """use_with_accelerate(all_gather=QuantizedAllGather(fmt)): the decoder layers' units gather
+    quantized bytes (at most 0.32x their fp32 bytes: fp8 codes are 0.25x, one fp32 scale per
+    32-element row 0.03x, the norms travel in fp32), the embedding and tail (final norm, output
+    layer) units full precision; training follows the unquantized run's losses."""
+    import fsdp_native
+
+    seen = {}
+    ref = accelerate_run("native", steps=4, on_prepared=lambda m, x: seen.update(plain=_gathers(m, x)))
+    got = accelerate_run(
+        "native", steps=4, all_gather=fsdp_native.QuantizedAllGather(fmt, min_numel=256), on_prepared=lambda m, x: seen.update(q=_gathers(m, x))
+    )
+    layers = {u: v for u, v in seen["q"].items() if ".layers." in u}
+    assert layers and all(f == fmt for f, _ in layers.values()), seen["q"]
+    assert all(f is None for u, (f, _) in seen["q"].items() if u not in layers), seen["q"]
+    for u, (_, nbytes) in layers.items():
+        assert nbytes <= 0.32 * seen["plain"][u][1], (u, nbytes, seen["plain"][u][1])
+    worst = max(abs(a.item() - b.item()) for a, b in zip(got[0], ref[0]))
+    assert worst < 0.05, f"{fmt}: losses differ from the unquantized run's by {worst:.4f}: {got[0]} vs {ref[0]}"
+
+
 def _checkpoint(state_dict_type):
     """Save with one library after 2 steps, load with the other, train 2 more: both resumed runs
     match the uninterrupted runs bit for bit."""
@@ -148,6 +185,7 @@ def _checkpoint_grid():
 def _ws2():
     _train_grid()
     _checkpoint_grid()
+    run_grid([dict(fmt="fp8_rowwise")], _quantized, name="accelerate quantized all-gather")
 
 
 def test_accelerate_parity_and_checkpoints_across_libraries_ws2():

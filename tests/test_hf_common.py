@@ -81,14 +81,16 @@ def reset_accelerate():
     os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
 
 
-def impl_handle(impl: str):
-    """Accelerate on CPU FSDP with torch's fully_shard ('torch') or fsdp_native's ('native')."""
+def impl_handle(impl: str, all_gather=None):
+    """Accelerate on CPU FSDP with torch's fully_shard ('torch') or fsdp_native's ('native',
+    with an optional quantized all-gather)."""
     import fsdp_native.integrations as fi
 
     if impl == "torch":
+        assert all_gather is None, "torch FSDP2 has no quantized all-gather"
         return fi.enable_accelerate_cpu_fsdp()
     assert impl == "native", impl
-    return fi.use_with_accelerate(cpu=True)
+    return fi.use_with_accelerate(cpu=True, all_gather=all_gather)
 
 
 def check_impl(model, impl: str):
