@@ -171,6 +171,17 @@ def test_patch_and_restore():
     assert acc_state.AcceleratorState.__init__ is init
     with pytest.raises(TypeError, match="argument 'cpu'"):
         fi.use_with_accelerate(cpu="yes")
+    with pytest.raises(TypeError) as e:
+        fi.use_with_accelerate(cpu=True, all_gather="fp8_rowwise")
+    assert str(e.value) == (
+        "use_with_accelerate: argument 'all_gather' is a str, expected a fsdp_native.QuantizedAllGather or None"
+    ), str(e.value)
+    assert not fi._ACTIVE and tfsdp.fully_shard is torch_fs
+    # With a quantized all-gather the patched fully_shard wraps fsdp_native's, and restore undoes it.
+    with fi.use_with_accelerate(cpu=True, all_gather=fsdp_native.QuantizedAllGather("nf4")) as h:
+        assert tfsdp.fully_shard is not fsdp_native.fully_shard and tfsdp.fully_shard.__wrapped__ is fsdp_native.fully_shard
+        assert "all_gather=QuantizedAllGather(" in repr(h), repr(h)
+    assert tfsdp.fully_shard is torch_fs
 
 
 def test_unknown_hook_points_fail_clearly(monkeypatch):
