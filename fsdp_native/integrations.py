@@ -35,8 +35,10 @@ The hook points are checked before anything is patched (feature detection, not v
 strings); an Accelerate or Transformers whose hook points are not found raises
 :class:`IntegrationError` naming the installed and the tested versions.
 
-Not covered: Transformers' own load-time sharding (``from_pretrained(distributed_config=...)``,
-``transformers.distributed.fsdp``), which binds torch's ``fully_shard`` when it is imported.
+* ``transformers.distributed.fsdp.fully_shard`` (Transformers 5's own FSDP2 path,
+  ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=...))``), where the
+  installed Transformers has that module: it binds torch's ``fully_shard`` at import, and its
+  ``apply_fully_sharded_data_parallelism`` calls the module global, so that global is replaced.
 """
 from __future__ import annotations
 
@@ -175,11 +177,36 @@ def _check_accelerate(cpu: bool, fully_shard: bool = True) -> list[str]:
     return missing
 
 
-def _check_transformers(cpu: bool) -> list[str]:
+def _transformers_fsdp():
+    """``transformers.distributed.fsdp`` (Transformers' own FSDP2 path), or None where the
+    installed Transformers has none."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    try:
+        if importlib.util.find_spec("transformers.distributed.fsdp") is None:
+            return None
+    except ModuleNotFoundError:
+        return None
+    return importlib.import_module("transformers.distributed.fsdp")
+
+
+def _check_transformers(cpu: bool, fully_shard: bool = True) -> list[str]:
     """The hook points fsdp_native needs in Transformers (only when it is installed)."""
     if importlib.util.find_spec("transformers") is None:
         return []
     missing: list[str] = []
+    if fully_shard:
+        try:
+            native = _transformers_fsdp()
+        except Exception as e:  # noqa: BLE001
+            return [f"transformers.distributed.fsdp cannot be imported ({type(e).__name__}: {e})"]
+        if native is not None:
+            apply = getattr(native, "apply_fully_sharded_data_parallelism", None)
+            if apply is None or not hasattr(native, "fully_shard") or "fully_shard" not in apply.__code__.co_names:
+                missing.append(
+                    "transformers.distributed.fsdp.apply_fully_sharded_data_parallelism does not call the module's "
+                    "fully_shard"
+                )
     try:
         trainer_mod = importlib.import_module("transformers.trainer")
         args_mod = importlib.import_module("transformers.training_args")
@@ -251,6 +278,9 @@ class AccelerateIntegration:
 
             fn = fsdp_native.fully_shard if self.all_gather is None else _with_all_gather(fsdp_native.fully_shard, self.all_gather)
             self._set_attr(tfsdp, "fully_shard", fn)
+            native = _transformers_fsdp()
+            if native is not None:  # Transformers' own FSDP: from_pretrained(distributed_config=...)
+                self._set_attr(native, "fully_shard", fn)
         if self.cpu:
             self._set_env("ACCELERATE_USE_CPU", "true")
             from accelerate.state import AcceleratorState
@@ -413,7 +443,7 @@ def _install(what: str, *, fsdp_native: bool, cpu: bool, all_gather=None) -> Acc
         if _ACTIVE:
             raise RuntimeError(f"{what}: already active ({_ACTIVE[0]!r}); call restore() on that handle first")
     problems = [f"accelerate: {p}" for p in _check_accelerate(cpu, fully_shard=fsdp_native)]
-    problems += [f"transformers: {p}" for p in _check_transformers(cpu)]
+    problems += [f"transformers: {p}" for p in _check_transformers(cpu, fully_shard=fsdp_native)]
     if problems:
         installed = f"accelerate {_version('accelerate')}"
         if importlib.util.find_spec("transformers") is not None:

@@ -234,3 +234,31 @@ def test_transformers_hook_points_checked(monkeypatch):
         fi.use_with_accelerate(cpu=True)
     with pytest.warns(UserWarning):
         fi.use_with_accelerate(cpu=False).restore()  # the Trainer needs that hook only for cpu=True
+
+
+def test_transformers_native_fsdp_hook_point(monkeypatch):
+    """Transformers' own FSDP2 path (from_pretrained(distributed_config=...)) calls the module
+    global transformers.distributed.fsdp.fully_shard: patched and restored with the rest, and
+    a Transformers whose apply function does not call it is refused."""
+    import torch.distributed.fsdp as tfsdp
+    import transformers.distributed.fsdp as tf_fsdp
+
+    import fsdp_native
+    import fsdp_native.integrations as fi
+
+    torch_fs = tf_fsdp.fully_shard
+    assert torch_fs is tfsdp.fully_shard
+    with fi.use_with_accelerate(cpu=True):
+        assert tf_fsdp.fully_shard is fsdp_native.fully_shard
+    assert tf_fsdp.fully_shard is torch_fs
+    with fi.enable_accelerate_cpu_fsdp():  # torch's fully_shard stays everywhere
+        assert tf_fsdp.fully_shard is torch_fs
+
+    def apply_fully_sharded_data_parallelism(model, mesh_manager, fsdp_plan, ep_plan):  # shards some other way
+        return model
+
+    monkeypatch.setattr(tf_fsdp, "apply_fully_sharded_data_parallelism", apply_fully_sharded_data_parallelism)
+    with pytest.raises(fi.IntegrationError) as e:
+        fi.use_with_accelerate(cpu=True)
+    assert "transformers.distributed.fsdp.apply_fully_sharded_data_parallelism does not call the module's fully_shard" in str(e.value)
+    assert tf_fsdp.fully_shard is torch_fs and not fi._ACTIVE

@@ -1,0 +1,103 @@
+"""Transformers 5's own FSDP2 path on fsdp_native: ``from_pretrained(path,
+distributed_config=DistributedConfig(fsdp_size=...))`` shards the model while it loads (the
+model's ``_fsdp_plan``: decoder layers, the embedding / final norm / output layer tail, the
+root). A tiny Llama saved locally (no Hub) is loaded and trained on 2 CPU ranks once with
+torch's ``fully_shard`` and once under ``fsdp_native.integrations.use_with_accelerate``, in
+the same spawn: the loaded parameters, the losses and the trained parameters are bitwise
+equal, with and without ``fsdp_mixed_precision``. With a quantized all-gather the decoder
+layers gather fp8 and the other units full precision."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+from dist_utils import ctx, full_params, run_distributed, run_grid
+from test_hf_common import assert_same, check_impl, set_launcher_env, tiny_llama, token_batches
+
+pytest.importorskip("transformers.distributed.fsdp", reason="a Transformers with its own FSDP2 path (5.x)")
+
+
+def _saved_model() -> str:
+    import torch.distributed as dist
+
+    path = os.path.join(ctx().tmpdir, "tiny-llama")
+    if dist.get_rank() == 0 and not os.path.exists(path):
+        tiny_llama(0).save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None):
+    """Load with distributed_config, train ``steps`` AdamW steps; (loaded params, losses, params)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import fsdp_native.integrations as fi
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = _saved_model()
+    handle = fi.use_with_accelerate(cpu=True, all_gather=all_gather) if impl == "native" else contextlib.nullcontext()
+    with handle:
+        cfg = DistributedConfig(fsdp_size=world, fsdp_mixed_precision=mp)
+        model = LlamaForCausalLM.from_pretrained(path, distributed_config=cfg)
+        check_impl(model, impl)
+        loaded = full_params(model)
+        if on_loaded is not None:
+            on_loaded(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for x in token_batches(steps, bsz=2 * world):
+            x = x[2 * rank : 2 * rank + 2]
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().float().clone())
+    return loaded, losses, full_params(model)
+
+
+def _parity(mp: bool) -> None:
+    ref = _run("torch", mp)
+    got = _run("native", mp)
+    assert_same("loaded parameters", got[0], ref[0])
+    assert_same("losses", got[1], ref[1])
+    assert_same("trained parameters", got[2], ref[2])
+    if not mp:  # the checkpoint's weights, as saved
+        want = {k: v for k, v in tiny_llama(0).state_dict().items() if k in got[0]}
+        assert_same("loaded vs saved", got[0], want)
+
+
+def _quantized() -> None:
+    import torch
+
+    import fsdp_native
+
+    formats = {}
+
+    def gathers(model):
+        x = token_batches(1, bsz=2)[0]
+        with torch.no_grad(), fsdp_native.record_trace() as rec:
+            model(input_ids=x)
+        formats.update({s.unit: s.args.get("format") for s in rec.spans if s.lane == "all_gather"})
+
+    _, losses, _ = _run("native", False, all_gather=fsdp_native.QuantizedAllGather("fp8_rowwise", min_numel=256), on_loaded=gathers)
+    layers = {u: f for u, f in formats.items() if ".layers." in u}
+    assert layers and set(layers.values()) == {"fp8_rowwise"}, formats
+    assert all(f is None for u, f in formats.items() if u not in layers), formats
+    ref = _run("torch", False)[1]
+    worst = max(abs(a.item() - b.item()) for a, b in zip(losses, ref))
+    assert worst < 0.05, f"fp8 all-gather losses differ from torch's by {worst:.4f}"
+
+
+def _grid():
+    set_launcher_env()
+    run_grid([dict(mp=False), dict(mp=True)], _parity, name="from_pretrained(distributed_config)")
+    run_grid([{}], _quantized, name="from_pretrained quantized all-gather")
+
+
+def test_from_pretrained_distributed_config_parity_ws2():
+    run_distributed(_grid, 2, timeout=400)
