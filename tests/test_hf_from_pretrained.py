@@ -4,7 +4,7 @@ model's ``_fsdp_plan``: decoder layers, the embedding / final norm / output laye
 root). A tiny Llama saved locally (no Hub) is loaded and trained on 2 CPU ranks once with
 torch's ``fully_shard`` and once under ``fsdp_native.integrations.use_with_accelerate``, in
 the same spawn: the loaded parameters, the losses and the trained parameters are bitwise
-equal, with and without ``fsdp_mixed_precision``. With a quantized all-gather the decoder
+equal, with and without ``fsdp_mixed_precision``, and with HSDP (``dp_replicate_size=2``) on 4. With a quantized all-gather the decoder
 layers gather fp8 and the other units full precision."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _saved_model() -> str:
     return path
 
 
-def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None):
+def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None, replicas: int = 1):
     """Load with distributed_config, train ``steps`` AdamW steps; (loaded params, losses, params)."""
     import torch
     import torch.distributed as dist
@@ -42,7 +42,7 @@ def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None):
     path = _saved_model()
     handle = fi.use_with_accelerate(cpu=True, all_gather=all_gather) if impl == "native" else contextlib.nullcontext()
     with handle:
-        cfg = DistributedConfig(fsdp_size=world, fsdp_mixed_precision=mp)
+        cfg = DistributedConfig(fsdp_size=world // replicas, dp_replicate_size=replicas, fsdp_mixed_precision=mp)
         model = LlamaForCausalLM.from_pretrained(path, distributed_config=cfg)
         check_impl(model, impl)
         loaded = full_params(model)
@@ -60,9 +60,15 @@ def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None):
     return loaded, losses, full_params(model)
 
 
-def _parity(mp: bool) -> None:
-    ref = _run("torch", mp)
-    got = _run("native", mp)
+def _parity(mp: bool, replicas: int = 1) -> None:
+    import torch.distributed as dist
+
+    meshes = []
+    record = lambda model: meshes.append(tuple(next(model.parameters()).device_mesh.shape))  # noqa: E731
+    ref = _run("torch", mp, replicas=replicas, on_loaded=record)
+    got = _run("native", mp, replicas=replicas, on_loaded=record)
+    want = (replicas, dist.get_world_size() // replicas) if replicas > 1 else (dist.get_world_size(),)
+    assert meshes == [want, want], meshes
     assert_same("loaded parameters", got[0], ref[0])
     assert_same("losses", got[1], ref[1])
     assert_same("trained parameters", got[2], ref[2])
@@ -101,3 +107,13 @@ def _grid():
 
 def test_from_pretrained_distributed_config_parity_ws2():
     run_distributed(_grid, 2, timeout=400)
+
+
+def _grid_hsdp():
+    set_launcher_env()
+    run_grid([dict(mp=True, replicas=2)], _parity, name="from_pretrained(distributed_config) HSDP 2x2")
+
+
+def test_from_pretrained_distributed_config_hsdp_2x2():
+    """dp_replicate_size=2, fsdp_size=2: a 2-D mesh, reduce-scatter then all-reduce."""
+    run_distributed(_grid_hsdp, 4, timeout=400)
