@@ -4,8 +4,9 @@ model's ``_fsdp_plan``: decoder layers, the embedding / final norm / output laye
 root). A tiny Llama saved locally (no Hub) is loaded and trained on 2 CPU ranks once with
 torch's ``fully_shard`` and once under ``fsdp_native.integrations.use_with_accelerate``, in
 the same spawn: the loaded parameters, the losses and the trained parameters are bitwise
-equal, with and without ``fsdp_mixed_precision``, and with HSDP (``dp_replicate_size=2``) on 4. With a quantized all-gather the decoder
-layers gather fp8 and the other units full precision."""
+equal, with and without ``fsdp_mixed_precision``, and with HSDP (``dp_replicate_size=2``) on
+4 ranks. With a quantized all-gather the decoder layers gather fp8 and the other units full
+precision."""
 from __future__ import annotations
 
 import contextlib
