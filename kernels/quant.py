@@ -206,13 +206,16 @@ def _fp8_quantize_kernel(
 
 @triton.jit
 def _zero_gaps_if(out, meta, p, last):
-    k = tl.arange(0, 16).to(tl.int64)
-    data_end = _load_meta(meta, p, 5)
-    scales = _load_meta(meta, p, 6)
-    scales_end = _load_meta(meta, p, 7)
-    seg_end = _load_meta(meta, p, 8)
-    tl.store(out + data_end + k, tl.zeros([16], tl.uint8), mask=last & (data_end + k < scales))
-    tl.store(out + scales_end + k, tl.zeros([16], tl.uint8), mask=last & (scales_end + k < seg_end))
+    # A branch on the scalar, not `last & vector` as the mask: Triton 3.9's interpreter (the
+    # Triton of torch 2.15) rejects a scalar-and-vector mask ("mask has unsupported dtype").
+    if last:
+        k = tl.arange(0, 16).to(tl.int64)
+        data_end = _load_meta(meta, p, 5)
+        scales = _load_meta(meta, p, 6)
+        scales_end = _load_meta(meta, p, 7)
+        seg_end = _load_meta(meta, p, 8)
+        tl.store(out + data_end + k, tl.zeros([16], tl.uint8), mask=data_end + k < scales)
+        tl.store(out + scales_end + k, tl.zeros([16], tl.uint8), mask=scales_end + k < seg_end)
 
 
 @triton.jit
