@@ -90,6 +90,9 @@ clean:
 # no CPU build of it; it runs on CPU). It shares .venv-cuda with cuda-check (one 5 GB venv,
 # not two), adds the test tools, and builds its CPU-only extension into build/newest/lib.
 NEWEST_TORCH_VERSION ?= 2.15.0
+# Also on the newest: the quantize kernels against the reference, Triton included (interpreted):
+# the CUDA torch brings its own Triton (3.9 with torch 2.15), newer than .venv's 3.6.
+NEWEST_EXTRA_TESTS ?= test_quant_kernels.py
 NEWEST := $(CURDIR)/.venv-cuda
 NEWEST_BUILD := $(CURDIR)/build/newest
 
@@ -107,4 +110,4 @@ test-newest: $(NEWEST)/.ready-tests-torch-$(NEWEST_TORCH_VERSION)
 	FORCE_CUDA=0 $(NEWEST)/bin/python setup.py -q build --build-base $(NEWEST_BUILD) --build-lib $(NEWEST_BUILD)/lib \
 		--build-temp $(NEWEST_BUILD)/temp
 	cd $(NEWEST_BUILD) && PYTHONPATH=$(NEWEST_BUILD)/lib $(NEWEST)/bin/python -m pytest -q -p no:cacheprovider \
-		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS))
+		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS) $(NEWEST_EXTRA_TESTS))
