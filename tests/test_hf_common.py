@@ -56,6 +56,27 @@ def token_batches(n: int, bsz: int, seed: int = 1234):
     return [torch.randint(0, VOCAB, (bsz, SEQ), generator=g) for _ in range(n)]
 
 
+def train_steps(model, steps: int = 3, lr: float = 1e-2):
+    """``steps`` AdamW steps of a causal LM on token_batches (each rank its 2 rows); returns
+    (losses, full parameters)."""
+    import torch
+    import torch.distributed as dist
+
+    from dist_utils import full_params
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for batch in token_batches(steps, bsz=2 * world):
+        x = batch[2 * rank : 2 * rank + 2]
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().float().clone())
+    return losses, full_params(model)
+
+
 def set_launcher_env():
     """What torchrun sets, for Accelerate's PartialState (the gloo group already exists)."""
     from dist_utils import ctx

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from dist_utils import ctx, full_params, run_distributed, run_grid
-from test_hf_common import assert_same, check_impl, set_launcher_env, tiny_llama, token_batches
+from test_hf_common import assert_same, check_impl, set_launcher_env, tiny_llama, token_batches, train_steps
 
 pytest.importorskip("transformers.distributed.fsdp", reason="a Transformers with its own FSDP2 path (5.x)")
 
@@ -32,14 +32,13 @@ def _saved_model() -> str:
 
 def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None, replicas: int = 1):
     """Load with distributed_config, train ``steps`` AdamW steps; (loaded params, losses, params)."""
-    import torch
     import torch.distributed as dist
     from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
 
     import fsdp_native.integrations as fi
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     path = _saved_model()
     handle = fi.use_with_accelerate(cpu=True, all_gather=all_gather) if impl == "native" else contextlib.nullcontext()
     with handle:
@@ -49,16 +48,8 @@ def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None, r
         loaded = full_params(model)
         if on_loaded is not None:
             on_loaded(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for x in token_batches(steps, bsz=2 * world):
-            x = x[2 * rank : 2 * rank + 2]
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach().float().clone())
-    return loaded, losses, full_params(model)
+        losses, params = train_steps(model, steps)
+    return loaded, losses, params
 
 
 def _parity(mp: bool, replicas: int = 1) -> None:

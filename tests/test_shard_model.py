@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from dist_utils import full_params, run_distributed, run_grid
-from test_hf_common import assert_same, tiny_llama, token_batches
+from dist_utils import run_distributed, run_grid
+from test_hf_common import assert_same, tiny_llama, train_steps
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -234,23 +234,6 @@ def test_config_value_errors(cfg, message):
 # ---------------------------------------------------------------------------
 # Sharding: bitwise parity with hand-written fully_shard calls
 # ---------------------------------------------------------------------------
-def _train(model, steps=3, lr=1e-2):
-    import torch
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for batch in token_batches(steps, bsz=2 * world):
-        x = batch[2 * rank : 2 * rank + 2]
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach().float().clone())
-    return losses, full_params(model)
-
-
 def _units(model):
     import fsdp_native
 
@@ -327,8 +310,8 @@ def _parity(case, hsdp=False):
     if hsdp:
         p = next(got.parameters())
         assert p.device_mesh.ndim == 2, p.device_mesh
-    got_losses, got_params = _train(got)
-    ref_losses, ref_params = _train(ref)
+    got_losses, got_params = train_steps(got)
+    ref_losses, ref_params = train_steps(ref)
     assert_same("losses", got_losses, ref_losses)
     assert_same("parameters", got_params, ref_params)
     if case == "hf_docs_config":
