@@ -119,8 +119,9 @@ class ExtensionCodec(Codec):
     dtype = torch.uint8
     trace_copy_in = False  # the copy-in is inside the all-gather span
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, staged: bool = False) -> None:
         self.layout = layout
+        self.staged = staged  # CPU offload: each subclass shard is moved to the device first
         self.chunk = layout.total_padded  # nonzero when there is anything to gather
         self.states = [_extension.ExtState() if e else None for e in layout.ext]
         self.segments: list[int] = []
@@ -129,12 +130,11 @@ class ExtensionCodec(Codec):
     def prepare(self, unit) -> int:
         layout, info = self.layout, unit.info
         mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[-1]]
-        staged = unit.shard_device != unit.device  # CPU offload: the shards move to the device first
         inputs = []
         for i, local in enumerate(unit.shard_views):
             if layout.ext[i]:
                 mod = unit.owners[i][0][0]
-                if staged:
+                if self.staged:
                     local = local.to(unit.device, non_blocking=True)
                 inners, meta = _extension.pre_all_gather(local, mesh, layout.shapes[i], mod, unit.mp)
                 state = self.states[i]
@@ -189,10 +189,11 @@ class QuantCodec(Codec):
 
     dtype = torch.uint8
 
-    def __init__(self, layout: Layout, policy: QuantizedAllGather, q: list[int], device: torch.device) -> None:
+    def __init__(self, layout: Layout, policy: QuantizedAllGather, q: list[int], device: torch.device, staged: bool = False) -> None:
         from fsdp_native import quant
 
         self.layout, self.policy = layout, policy
+        self.staged = staged  # CPU offload: the shards are copied to the device and quantized there
         self.trace_args = {"format": policy.format}
         self.q = q
         self.plain = [i for i in range(len(layout.shapes)) if i not in q]
@@ -217,7 +218,7 @@ class QuantCodec(Codec):
 
         inp = out.narrow(0, self.layout.rank * chunk, chunk)
         shards = unit.shard_views
-        if unit.shard_device != unit.device:  # CPU offload: quantize on the device
+        if self.staged:
             shards = self.layout.shard_views(unit.sharded_flat.to(unit.device, non_blocking=True))
         if self.plain or self.tail:  # zeroes the quantized region first (an empty source), then the shards
             if self.layout.gather_bytes:
@@ -309,15 +310,17 @@ def choose(
     codec when `all_gather` asks for one and some parameter qualifies, else the plain one.
     Raises for what a codec does not support."""
     if all_gather is not None:
-        codec = _quant_codec(layout, all_gather, device, names)
+        codec = _quant_codec(layout, all_gather, device, names, staged)
         if codec is not None:
             return codec
     if layout.has_ext:
-        return ExtensionCodec(layout)
+        return ExtensionCodec(layout, staged)
     return PlainCodec(layout, staged, post_forward)
 
 
-def _quant_codec(layout: Layout, policy: QuantizedAllGather, device: torch.device, names: list[str] | None = None) -> QuantCodec | None:
+def _quant_codec(
+    layout: Layout, policy: QuantizedAllGather, device: torch.device, names: list[str] | None = None, staged: bool = False
+) -> QuantCodec | None:
     from fsdp_native import quant
 
     where = f"fully_shard: argument 'all_gather' ({policy.format})"
@@ -338,7 +341,7 @@ def _quant_codec(layout: Layout, policy: QuantizedAllGather, device: torch.devic
                 f"{where} quantizes float32, bfloat16 and float16 parameters; {what} is {layout.orig_dtypes[i]} "
                 f"(unsharded {layout.param_dtypes[i]})"
             )
-    return cls(layout, policy, q, device) if q else None
+    return cls(layout, policy, q, device, staged) if q else None
 
 
 def check_extension_params(params, owners, ext, world_size: int, post_forward) -> None:

@@ -199,6 +199,9 @@ class Unit:
         return torch.zeros(sum(self.layout.shard_units), dtype=self.layout.orig_dtype, device=device, pin_memory=pin)
 
     def _to_shard_device(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the shard device (pinned for an offloaded CUDA unit); a meta tensor as is."""
+        if t.is_meta:
+            return t
         t = t.to(self.shard_device)
         return t.pin_memory() if self._pin and not t.is_pinned() else t
 
@@ -206,9 +209,7 @@ class Unit:
         """A subclass parameter keeps its own rank-local shard (dim 0 divides evenly), on the
         CPU with CPU offload (as torch FSDP2: its fsdp_pre_all_gather then runs on a copy
         moved to the device)."""
-        local = torch.chunk(p.detach(), self.world_size, dim=0)[self.rank]
-        if not local.is_meta and local.device != self.shard_device:
-            local = self._to_shard_device(local)
+        local = self._to_shard_device(torch.chunk(p.detach(), self.world_size, dim=0)[self.rank])
         dt = DTensor.from_local(local, self.info.mesh, self.info.placements, run_check=False, shape=p.shape, stride=p.stride())
         sp = nn.Parameter(dt, requires_grad=p.requires_grad)
         self.shard_views[i] = sp._local_tensor
@@ -244,7 +245,7 @@ class Unit:
         with torch.no_grad():
             for i, (p, loc, view) in enumerate(zip(params, locals_, views)):
                 if layout.ext[i]:  # a subclass shard stays as it is (on the CPU with offload)
-                    if self.offload is not None and not loc.is_meta and loc.device != self.shard_device:
+                    if self.offload is not None:
                         loc = p._local_tensor = self._to_shard_device(loc)
                     views[i] = loc
                     p._fsdp_native_unit = self
