@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import assert_close, full, load_impl, ref_impl, run_distributed, run_grid
@@ -60,7 +61,7 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _train(impl, mp: bool, reshard: bool, hsdp: bool = False, offload: bool = False) -> dict:
+def _train(impl, mp: bool, reshard: bool, hsdp: bool = False, offload: bool = False, compile: bool = False) -> dict:
     mesh = mesh_of("hsdp" if hsdp else "1d")
     torch.manual_seed(0)
     model = Model()
@@ -69,7 +70,10 @@ def _train(impl, mp: bool, reshard: bool, hsdp: bool = False, offload: bool = Fa
         kw["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
     if mp:
         kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    counters.clear()
     for b in model.blocks:
+        if compile:  # torchtune's compile=True: each layer compiled, then sharded
+            b.compile()
         impl.fully_shard(b, **kw)
     impl.fully_shard(model, **kw)
     nf4_locals = [b.proj.weight.to_local() for b in model.blocks]
@@ -83,16 +87,18 @@ def _train(impl, mp: bool, reshard: bool, hsdp: bool = False, offload: bool = Fa
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if compile:
+        assert counters["stats"]["unique_graphs"] >= 1, f"{impl.name}: nothing was compiled: {dict(counters['stats'])}"
     params = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
     dequant = [t.get_original_weight() for t in nf4_locals]
     return dict(losses=losses, params=params, nf4=dequant, model=model)
 
 
-def _check(mp: bool, reshard: bool, hsdp: bool = False, offload: bool = False) -> None:
+def _check(mp: bool, reshard: bool, hsdp: bool = False, offload: bool = False, compile: bool = False) -> None:
     impl, torch_impl = load_impl(), ref_impl()
-    ref = _train(torch_impl, mp, reshard, hsdp, offload)
-    got = _train(impl, mp, reshard, hsdp, offload)
-    tag = f"[{impl.name} vs torch, NF4 QLoRA mp={mp} hsdp={hsdp} offload={offload}]"
+    ref = _train(torch_impl, mp, reshard, hsdp, offload, compile)
+    got = _train(impl, mp, reshard, hsdp, offload, compile)
+    tag = f"[{impl.name} vs torch, NF4 QLoRA mp={mp} hsdp={hsdp} offload={offload} compile={compile}]"
     assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
     for n, v in ref["params"].items():
         assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
@@ -113,7 +119,8 @@ def _check(mp: bool, reshard: bool, hsdp: bool = False, offload: bool = False) -
 
 def _grid():
     run_grid(
-        [dict(mp=False, reshard=True), dict(mp=True, reshard=True), dict(mp=True, reshard=False), dict(mp=True, reshard=True, offload=True)],
+        [dict(mp=False, reshard=True), dict(mp=True, reshard=True), dict(mp=True, reshard=False), dict(mp=True, reshard=True, offload=True),
+         dict(mp=True, reshard=True, compile=True)],
         _check,
         name="nf4",
     )

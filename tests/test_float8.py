@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
 from dist_utils import assert_close, full, load_impl, ref_impl, run_distributed, run_grid
 from models import mesh_of
@@ -49,7 +50,7 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _train(impl, hsdp: bool, precompute: bool, mp: bool, offload: bool = False, steps: int = 4) -> dict:
+def _train(impl, hsdp: bool, precompute: bool, mp: bool, offload: bool = False, compile: bool = False, steps: int = 4) -> dict:
     mesh = mesh_of("hsdp" if hsdp else "1d")
     torch.manual_seed(0)
     model = Model()
@@ -61,7 +62,10 @@ def _train(impl, hsdp: bool, precompute: bool, mp: bool, offload: bool = False, 
         kw["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
     if mp:
         kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    counters.clear()
     for b in model.blocks:
+        if compile:  # torchtitan's order: each block compiled, then sharded
+            b.compile()
         impl.fully_shard(b, **kw)
     impl.fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -76,15 +80,17 @@ def _train(impl, hsdp: bool, precompute: bool, mp: bool, offload: bool = False, 
         if precompute:
             precompute_float8_dynamic_scale_for_fsdp(model)
         losses.append(loss.item())
+    if compile:
+        assert counters["stats"]["unique_graphs"] >= 1, f"{impl.name}: nothing was compiled: {dict(counters['stats'])}"
     params = {n: full(p) for n, p in model.named_parameters()}
     return dict(losses=losses, params=params, model=model)
 
 
-def _check(hsdp: bool, precompute: bool, mp: bool, offload: bool = False) -> None:
+def _check(hsdp: bool, precompute: bool, mp: bool, offload: bool = False, compile: bool = False) -> None:
     impl, torch_impl = load_impl(), ref_impl()
-    ref = _train(torch_impl, hsdp, precompute, mp, offload)
-    got = _train(impl, hsdp, precompute, mp, offload)
-    tag = f"[{impl.name} vs torch, Float8 hsdp={hsdp} precompute={precompute} mp={mp} offload={offload}]"
+    ref = _train(torch_impl, hsdp, precompute, mp, offload, compile)
+    got = _train(impl, hsdp, precompute, mp, offload, compile)
+    tag = f"[{impl.name} vs torch, Float8 hsdp={hsdp} precompute={precompute} mp={mp} offload={offload} compile={compile}]"
     assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
     for n, v in ref["params"].items():
         assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
@@ -107,7 +113,7 @@ def _grid(hsdp_ok: bool) -> None:
     if hsdp_ok:
         configs += [dict(hsdp=True, precompute=True, mp=False)]
     elif dist.get_world_size() > 1:
-        configs += [dict(hsdp=False, precompute=True, mp=True, offload=True)]
+        configs += [dict(hsdp=False, precompute=True, mp=True, offload=True), dict(hsdp=False, precompute=True, mp=True, compile=True)]
     run_grid(configs, _check, name="float8")
 
 

@@ -12,6 +12,8 @@
   odd sizes) gathers the quantized parameters (each dequantized into its own dtype) and the
   others as bytes, bit for bit as the reference, and trains.
 * CPU offload and an int reshard_after_forward give the same numbers as without them.
+* Blocks compiled before fully_shard see the same dequantized parameters and are not
+  recompiled after the first step.
 * Bad policies raise clear errors.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import load_impl, run_distributed, run_grid
@@ -33,7 +36,7 @@ ARGS = ModelArgs(n_layers=2, dim=64, vocab_size=128, max_seq_len=16, n_heads=4)
 BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _build(fmt: str | None, mesh, frozen_blocks: bool = False, seed: int = 0, args: ModelArgs = ARGS, **shard_kw):
+def _build(fmt: str | None, mesh, frozen_blocks: bool = False, seed: int = 0, args: ModelArgs = ARGS, compile_blocks: bool = False, **shard_kw):
     import fsdp_native
 
     torch.manual_seed(seed)
@@ -46,6 +49,8 @@ def _build(fmt: str | None, mesh, frozen_blocks: bool = False, seed: int = 0, ar
     mp = fsdp_native.MixedPrecisionPolicy(**BF16)
     ag = None if fmt is None else fsdp_native.QuantizedAllGather(fmt, min_numel=256)
     for layer in model.layers:
+        if compile_blocks:  # torchtitan's order: compiled, then sharded
+            layer.compile()
         fsdp_native.fully_shard(layer, mesh=mesh, mp_policy=mp, all_gather=ag, **shard_kw)
     fsdp_native.fully_shard(model, mesh=mesh, mp_policy=mp, **shard_kw)
     return model
@@ -124,14 +129,20 @@ def test_quantized_all_gather_bytes():
     run_distributed(_bytes_grid, 2)
 
 
-def _train(fmt, steps: int, frozen: bool) -> list[float]:
+def _train(fmt, steps: int, frozen: bool, compile_blocks: bool = False, seen: list | None = None) -> list[float]:
     ws, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (ws,))
-    model = _build(fmt, mesh, frozen_blocks=frozen)
+    model = _build(fmt, mesh, frozen_blocks=frozen, compile_blocks=compile_blocks)
+    if seen is not None:  # the unsharded parameters of layers.0 at each forward (not traced)
+        hook = torch._dynamo.disable(lambda m, a: seen.append([p.detach().clone() for p in m.parameters()]))
+        model.layers[0].register_forward_pre_hook(hook)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     gen = torch.Generator().manual_seed(5)
     losses = []
-    for _ in range(steps):  # a copy task: predict the input token
+    for step in range(steps):  # a copy task: predict the input token
+        if compile_blocks and step == 1:
+            assert counters["stats"]["unique_graphs"] >= 1, f"{fmt}: nothing was compiled: {dict(counters['stats'])}"
+            counters.clear()
         x = torch.randint(0, ARGS.vocab_size, (4 * ws, ARGS.max_seq_len), generator=gen)
         y = x
         loss = lm_loss(model(x[rank * 4 : (rank + 1) * 4]).float(), y[rank * 4 : (rank + 1) * 4])
@@ -139,6 +150,8 @@ def _train(fmt, steps: int, frozen: bool) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if compile_blocks:
+        assert counters["stats"]["unique_graphs"] == 0, f"{fmt}: recompiled after the first step: {dict(counters['stats'])}"
     return losses
 
 
@@ -161,6 +174,29 @@ def _training_grid():
 
 def test_quantized_training_follows_bf16():
     run_distributed(_training_grid, 2)
+
+
+def _check_compiled(fmt: str) -> None:
+    """Blocks compiled before fully_shard (torchtitan, torchtune): the compiled forward gets
+    the same dequantized parameters as the eager one, is not recompiled after the first step,
+    and trains as the eager run does (inductor's fused bf16 arithmetic differs in rounding)."""
+    counters.clear()
+    seen_eager, seen_compiled = [], []
+    eager = _train(fmt, 3, fmt == "nf4", seen=seen_eager)
+    compiled = _train(fmt, 3, fmt == "nf4", compile_blocks=True, seen=seen_compiled)
+    assert len(seen_eager) == len(seen_compiled) == 3 and len(seen_compiled[0]) == len(seen_eager[0]) > 0
+    for a, b in zip(seen_eager[0], seen_compiled[0]):
+        assert torch.equal(a, b), f"{fmt}: the compiled block's first unsharded parameters differ from the eager one's"
+    worst = max(abs(a - b) / abs(b) for a, b in zip(compiled, eager))
+    assert worst <= 1e-2, f"{fmt}: compiled losses {compiled} differ from eager {eager} by {worst:.2e} relative"
+
+
+def _compiled_grid():
+    run_grid([dict(fmt="fp8_rowwise"), dict(fmt="nf4")], _check_compiled, name="quant-compile")
+
+
+def test_quantized_all_gather_with_compiled_blocks():
+    run_distributed(_compiled_grid, 2)
 
 
 class _MixedBlock(nn.Module):
