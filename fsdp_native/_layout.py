@@ -128,8 +128,10 @@ class Layout:
         views into a byte buffer when the dtypes differ)."""
         views, offset = [], 0
         by_bytes = flat.dtype == torch.uint8 and self.orig_dtype == torch.uint8
-        for shape, units, dtype in zip(self.shapes, self.shard_units, self.orig_dtypes):
-            n = self.local_rows(shape) * math.prod(shape[1:])
+        for shape, units, dtype, ext in zip(self.shapes, self.shard_units, self.orig_dtypes, self.ext):
+            # A subclass parameter keeps its own shard: no bytes of the buffer (the view, empty,
+            # is replaced by that shard).
+            n = 0 if ext else self.local_rows(shape) * math.prod(shape[1:])
             if by_bytes:
                 views.append(flat[offset : offset + n * dtype.itemsize].view(dtype).view((-1, *shape[1:])))
             else:

@@ -28,20 +28,23 @@ DIM, HIDDEN = 64, 128
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, norm_last: bool = False):
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
+        if not norm_last:
+            self.norm = nn.LayerNorm(DIM)
         self.fc1 = nn.Linear(DIM, HIDDEN, bias=False)
         self.fc2 = nn.Linear(HIDDEN, DIM, bias=False)
+        if norm_last:  # plain parameters after the Float8 ones in the unit's order
+            self.norm = nn.LayerNorm(DIM)
 
     def forward(self, x):
         return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
 
 
 class Model(nn.Module):
-    def __init__(self, n=3):
+    def __init__(self, n=3, norm_last: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.blocks = nn.ModuleList(Block(norm_last) for _ in range(n))
         self.head = nn.Linear(DIM, 16)
 
     def forward(self, x):
@@ -50,10 +53,12 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _train(impl, hsdp: bool, precompute: bool, mp: bool, offload: bool = False, compile: bool = False, steps: int = 4) -> dict:
+def _train(
+    impl, hsdp: bool, precompute: bool, mp: bool, offload: bool = False, compile: bool = False, norm_last: bool = False, steps: int = 4
+) -> dict:
     mesh = mesh_of("hsdp" if hsdp else "1d")
     torch.manual_seed(0)
-    model = Model()
+    model = Model(norm_last=norm_last)
     cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     # The head stays in high precision, as torchtitan does for the output layer.
     convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "head")
@@ -86,11 +91,11 @@ def _train(impl, hsdp: bool, precompute: bool, mp: bool, offload: bool = False, 
     return dict(losses=losses, params=params, model=model)
 
 
-def _check(hsdp: bool, precompute: bool, mp: bool, offload: bool = False, compile: bool = False) -> None:
+def _check(hsdp: bool, precompute: bool, mp: bool, offload: bool = False, compile: bool = False, norm_last: bool = False) -> None:
     impl, torch_impl = load_impl(), ref_impl()
-    ref = _train(torch_impl, hsdp, precompute, mp, offload, compile)
-    got = _train(impl, hsdp, precompute, mp, offload, compile)
-    tag = f"[{impl.name} vs torch, Float8 hsdp={hsdp} precompute={precompute} mp={mp} offload={offload} compile={compile}]"
+    ref = _train(torch_impl, hsdp, precompute, mp, offload, compile, norm_last)
+    got = _train(impl, hsdp, precompute, mp, offload, compile, norm_last)
+    tag = f"[{impl.name} vs torch, Float8 hsdp={hsdp} precompute={precompute} mp={mp} offload={offload} compile={compile} norm_last={norm_last}]"
     assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
     for n, v in ref["params"].items():
         assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
@@ -110,6 +115,7 @@ def _check(hsdp: bool, precompute: bool, mp: bool, offload: bool = False, compil
 
 def _grid(hsdp_ok: bool) -> None:
     configs = [dict(hsdp=False, precompute=p, mp=m) for p in (False, True) for m in (False, True)]
+    configs += [dict(hsdp=False, precompute=True, mp=True, norm_last=True)]
     if hsdp_ok:
         configs += [dict(hsdp=True, precompute=True, mp=False)]
     elif dist.get_world_size() > 1:
