@@ -12,6 +12,7 @@
   odd sizes) gathers the quantized parameters (each dequantized into its own dtype) and the
   others as bytes, bit for bit as the reference, and trains.
 * CPU offload and an int reshard_after_forward give the same numbers as without them.
+* Activation checkpointing (with gradient accumulation) gives the same numbers as without.
 * Blocks compiled before fully_shard see the same dequantized parameters and are not
   recompiled after the first step.
 * Bad policies raise clear errors.
@@ -197,6 +198,59 @@ def _compiled_grid():
 
 def test_quantized_all_gather_with_compiled_blocks():
     run_distributed(_compiled_grid, 2)
+
+
+def _train_ac(fmt: str, ac: bool) -> tuple[list[float], dict]:
+    """3 steps of 2 micro-batches (the first without gradient sync), blocks under activation
+    checkpointing or not."""
+    import fsdp_native
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from dist_utils import full
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    for i, layer in enumerate(model.layers):
+        if fmt == "nf4":
+            for p in layer.parameters():
+                p.requires_grad_(p.dim() < 2)
+        if ac:
+            model.layers[i] = checkpoint_wrapper(layer)
+    mp = fsdp_native.MixedPrecisionPolicy(**BF16)
+    for layer in model.layers:
+        fsdp_native.fully_shard(layer, mesh=mesh, mp_policy=mp, all_gather=fsdp_native.QuantizedAllGather(fmt, min_numel=256))
+    fsdp_native.fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(3):
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            x = torch.randint(0, ARGS.vocab_size, (2, ARGS.max_seq_len), generator=gen)
+            loss = lm_loss(model(x).float(), x)
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, {n.replace("_checkpoint_wrapped_module.", ""): full(p) for n, p in model.named_parameters()}
+
+
+def _check_ac(fmt: str) -> None:
+    """The recomputed forward re-gathers and re-quantizes the same shards: activation
+    checkpointing changes nothing, bit for bit, with gradient accumulation too."""
+    want, got = _train_ac(fmt, ac=False), _train_ac(fmt, ac=True)
+    assert got[0] == want[0], f"{fmt}: losses with activation checkpointing {got[0]} differ from {want[0]}"
+    for n, v in want[1].items():
+        assert torch.equal(got[1][n], v), f"{fmt}: parameter {n!r} differs with activation checkpointing"
+
+
+def _ac_grid():
+    run_grid([dict(fmt=f) for f in ("fp8_rowwise", "fp8_tensorwise", "nf4")], _check_ac, name="quant-ac")
+
+
+def test_quantized_all_gather_with_activation_checkpointing_and_accumulation():
+    run_distributed(_ac_grid, 2)
 
 
 class _MixedBlock(nn.Module):
