@@ -54,9 +54,33 @@ def fsdp_config(**overrides):
     return cfg
 
 
-def trainer_run(impl, *, bf16=False, ga=1, use_cpu=True, generate=False, torch_compile=False, **cfg_overrides):
+def lora_llama(seed: int = 0):
+    """The tiny Llama with PEFT LoRA adapters (rank 4) on the attention and MLP projections:
+    the base weights frozen, the adapters trainable, in the same decoder-layer units."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    return get_peft_model(tiny_llama(seed), cfg)
+
+
+def trainer_run(
+    impl,
+    *,
+    bf16=False,
+    ga=1,
+    use_cpu=True,
+    generate=False,
+    torch_compile=False,
+    lora=False,
+    all_gather=None,
+    save_dir=None,
+    on_trained=None,
+    **cfg_overrides,
+):
     """Trainer.train for STEPS optimizer steps; returns (per-micro-batch losses, full params,
-    generated tokens or None)."""
+    generated tokens or None). ``lora``: a PEFT LoRA model; ``all_gather``: fsdp_native's
+    quantized all-gather for the decoder layers; ``save_dir``: Trainer.save_model there after
+    training; ``on_trained(trainer)`` runs last."""
     import torch
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
@@ -73,7 +97,7 @@ def trainer_run(impl, *, bf16=False, ga=1, use_cpu=True, generate=False, torch_c
     reset_accelerate()
     rank, world = dist.get_rank(), dist.get_world_size()
     cpu_ram = bool(cfg_overrides.get("cpu_ram_efficient_loading"))
-    with impl_handle(impl):
+    with impl_handle(impl, all_gather):
         args = TrainingArguments(
             output_dir=os.path.join(ctx().tmpdir, f"out-{impl}"),
             fsdp=True,
@@ -94,7 +118,7 @@ def trainer_run(impl, *, bf16=False, ga=1, use_cpu=True, generate=False, torch_c
             dataloader_num_workers=0,
             seed=0,
         )
-        model = tiny_llama(seed=rank if cpu_ram else 0)
+        model = lora_llama() if lora else tiny_llama(seed=rank if cpu_ram else 0)
         trainer = RecordingTrainer(model=model, args=args, train_dataset=_dataset(2 * world * ga * STEPS))
         trainer.recorded = []
         trainer.train()
@@ -109,6 +133,10 @@ def trainer_run(impl, *, bf16=False, ga=1, use_cpu=True, generate=False, torch_c
             with torch.no_grad():
                 tokens = trainer.model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, use_cache=False)
             assert tokens.shape == (1, 10), tokens.shape
+        if save_dir is not None:
+            trainer.save_model(save_dir)
+        if on_trained is not None:
+            on_trained(trainer)
         losses = trainer.recorded
         trainer.accelerator.free_memory()
     return losses, params, tokens
