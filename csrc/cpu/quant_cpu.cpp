@@ -143,10 +143,21 @@ FSDPN_INLINE void fp8_decode_loop(const uint8_t* __restrict codes, int64_t n, fl
   for (int64_t i = 0; i < n; ++i) dst[i] = store_value<D>(e4m3_to_float(codes[i]) * scale);
 }
 
+// nf4_value as a table in memory: GCC vectorises loads from it (gathers), not the lookup into
+// nf4_value's own local array (the AVX2 and baseline clones of the decode ran scalar).
+struct Nf4Table {
+  float v[16];
+  Nf4Table() {
+    for (uint32_t k = 0; k < 16; ++k) v[k] = nf4_value(k);
+  }
+};
+alignas(64) const Nf4Table kNf4Table;
+
 // NF4 elements [lo, hi) of a segment (lo a multiple of the block, hence even).
 template <typename D>
 FSDPN_INLINE void nf4_decode_loop(const uint8_t* __restrict codes, const uint8_t* scales,
                                   int64_t lo, int64_t hi, int64_t block, D* __restrict dst) {
+  const float* t = kNf4Table.v;
   for (int64_t b0 = lo; b0 < hi; b0 += block) {
     float scale;
     std::memcpy(&scale, scales + 4 * (b0 / block), 4);
@@ -156,10 +167,10 @@ FSDPN_INLINE void nf4_decode_loop(const uint8_t* __restrict codes, const uint8_t
     D* d = dst + (b0 - lo);
     for (int64_t k = 0; k < pairs; ++k) {
       const uint32_t byte = c[k];
-      d[2 * k] = store_value<D>(nf4_value(byte >> 4) * scale);
-      d[2 * k + 1] = store_value<D>(nf4_value(byte & 15u) * scale);
+      d[2 * k] = store_value<D>(t[byte >> 4] * scale);
+      d[2 * k + 1] = store_value<D>(t[byte & 15u] * scale);
     }
-    if ((end - b0) & 1) d[end - b0 - 1] = store_value<D>(nf4_value(c[pairs] >> 4) * scale);
+    if ((end - b0) & 1) d[end - b0 - 1] = store_value<D>(t[c[pairs] >> 4] * scale);
   }
 }
 
