@@ -73,9 +73,9 @@ import torch
 from fsdp_native._env import one_of
 
 # Which CPU kernels the ops may use (read by the C++ ops too; validated here at import):
-# "auto" (the best the CPU has), "avx512" or "portable". torch.ops.fsdp_native.quant_cpu_isa()
+# "auto" (the best the CPU has), "avx512", "avx2" or "portable". torch.ops.fsdp_native.quant_cpu_isa()
 # says which run.
-CPU_ISA = one_of("FSDP_NATIVE_QUANT_ISA", "auto", ("auto", "avx512", "portable"))
+CPU_ISA = one_of("FSDP_NATIVE_QUANT_ISA", "auto", ("auto", "avx512", "avx2", "portable"))
 
 __all__ = [
     "FP8_TENSORWISE",

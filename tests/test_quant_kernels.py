@@ -634,14 +634,16 @@ _BIT_EXACT = "grid_matches or every or non_finite or nf4_runs or tiny_amax or hy
 def test_cpu_kernel_level_is_reported():
     want = os.environ.get("FSDP_NATIVE_QUANT_ISA", "auto").strip().lower()
     got = torch.ops.fsdp_native.quant_cpu_isa()
-    assert got in ("avx512-vbmi", "avx512", "portable"), got
+    assert got in ("avx512-vbmi", "avx512", "avx2", "portable"), got
     if want == "portable":
         assert got == "portable"
+    elif want == "avx2":
+        assert got in ("avx2", "portable"), got  # capped at avx2; less on a CPU without it
     elif want == "avx512":
-        assert got in ("avx512", "portable"), got  # capped at avx512; less on a CPU without it
+        assert got in ("avx512", "avx2", "portable"), got  # capped at avx512; less on a CPU without it
 
 
-@pytest.mark.parametrize("level", ["avx512", "portable"])
+@pytest.mark.parametrize("level", ["avx512", "avx2", "portable"])
 def test_bit_exact_at_every_cpu_kernel_level(level):
     """The default run tests the best kernels the CPU has; the others are the fallbacks other
     CPUs (and rare scales) run: the same bit-exact tests with the level capped."""
@@ -664,6 +666,6 @@ def test_bad_cpu_kernel_level_fails_import():
     r = subprocess.run([sys.executable, "-c", "import fsdp_native"], env=env, capture_output=True, text=True)
     assert r.returncode != 0
     assert (
-        "ValueError: fsdp_native: environment variable FSDP_NATIVE_QUANT_ISA must be one of auto, avx512, portable, got 'avx9000'"
+        "ValueError: fsdp_native: environment variable FSDP_NATIVE_QUANT_ISA must be one of auto, avx512, avx2, portable, got 'avx9000'"
         in r.stderr
     ), r.stderr[-500:]

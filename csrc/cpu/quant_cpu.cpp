@@ -52,7 +52,8 @@ namespace quant {
 namespace {
 
 // FSDP_NATIVE_QUANT_ISA caps the kernels: "auto" (default: the best the CPU has), "avx512" (the
-// AVX-512 F/BW/VL kernels, not the VBMI/BF16 ones) or "portable" (the compiled loops only), so
+// AVX-512 F/BW/VL kernels, not the VBMI/BF16 ones), "avx2" (the AVX2 kernels) or "portable"
+// (the compiled loops only), so
 // the tests can check every level on one machine. Read once (case and surrounding spaces
 // ignored, as fsdp_native's Python switches); a bad value fails every op that would use it.
 int isa_cap() {
@@ -62,12 +63,13 @@ int isa_cap() {
     const auto b = s.find_first_not_of(" \t"), t = s.find_last_not_of(" \t");
     s = b == std::string::npos ? "" : s.substr(b, t - b + 1);
     for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    if (s.empty() || s == "auto") return 2;
-    if (s == "avx512") return 1;
+    if (s.empty() || s == "auto") return 3;
+    if (s == "avx512") return 2;
+    if (s == "avx2") return 1;
     if (s == "portable") return 0;
     return -1;
   }();
-  TORCH_CHECK(v >= 0, "fsdp_native: environment variable FSDP_NATIVE_QUANT_ISA must be one of auto, avx512, portable, got '",
+  TORCH_CHECK(v >= 0, "fsdp_native: environment variable FSDP_NATIVE_QUANT_ISA must be one of auto, avx512, avx2, portable, got '",
               std::getenv("FSDP_NATIVE_QUANT_ISA"), "'");
   return v;
 }
@@ -341,7 +343,80 @@ bool have_avx512() {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
   }();
+  return v && isa_cap() >= 2;
+}
+
+bool have_avx2() {
+  static const bool v = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
   return v && isa_cap() >= 1;
+}
+
+// --- AVX2 (CPUs without AVX-512: Zen 2/3, Haswell to Comet Lake) -------------------------------
+//
+// NF4 decode into bf16 with byte shuffles: per block, the 16 values store_value(t[k] * scale)
+// (the same bits the loop computes per element) as two 16-entry byte tables (low and high
+// bytes), then 32 code bytes (64 elements) per step: nibbles split and put in element order,
+// each looked up in both tables by VPSHUFB, the bytes joined into bf16. Blocks that are not
+// whole multiples of 64 elements take the loop.
+#define FSDPN_AVX2 __attribute__((target("avx2")))
+
+// The bf16 bits of store_value<bf16_t>(t[k] * scale), k = 0..15, as (low bytes, high bytes),
+// each 16-entry table in both 128-bit lanes.
+FSDPN_AVX2 FSDPN_INLINE void nf4_bf16_tables(float scale, __m256i& lo, __m256i& hi) {
+  const __m256 s = _mm256_set1_ps(scale);
+  __m256i u[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i x = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(kNf4Table.v + 8 * h), s));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
+    u[h] = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  }
+  // 16 x u16 in order: packus is per 128-bit lane, so fix the quadword order after it.
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(u[0], u[1]), 0xd8);
+  // Per lane: the 8 low bytes, then the 8 high bytes; then [lo 0-7, lo 8-15, hi 0-7, hi 8-15].
+  const __m256i split = _mm256_shuffle_epi8(
+      w, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  const __m256i q = _mm256_permute4x64_epi64(split, 0xd8);
+  lo = _mm256_permute2x128_si256(q, q, 0x00);
+  hi = _mm256_permute2x128_si256(q, q, 0x11);
+}
+
+FSDPN_AVX2 void nf4_decode_avx2_bf16(const uint8_t* codes, const uint8_t* scales, int64_t lo, int64_t hi,
+                                     int64_t block, void* dst) {
+  bf16_t* out = static_cast<bf16_t*>(dst);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  int64_t b0 = lo;
+  for (; b0 < hi; b0 += block) {
+    if (block % 64 != 0 || b0 + block > hi) break;  // the loop takes the rest
+    float scale;
+    std::memcpy(&scale, scales + 4 * (b0 / block), 4);
+    __m256i tlo, thi;
+    nf4_bf16_tables(scale, tlo, thi);
+    const uint8_t* c = codes + b0 / 2;
+    bf16_t* d = out + (b0 - lo);
+    for (int64_t k = 0; k < block; k += 64) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + k / 2));
+      const __m256i first = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);  // high nibbles: even elements
+      const __m256i second = _mm256_and_si256(b, low4);
+      // Per lane, bytes 0-7 (e0) and 8-15 (e1) of the codes, as 16 element indices each.
+      const __m256i e0 = _mm256_unpacklo_epi8(first, second), e1 = _mm256_unpackhi_epi8(first, second);
+      const __m256i l0 = _mm256_shuffle_epi8(tlo, e0), h0 = _mm256_shuffle_epi8(thi, e0);
+      const __m256i l1 = _mm256_shuffle_epi8(tlo, e1), h1 = _mm256_shuffle_epi8(thi, e1);
+      // v0: lane 0 elements 0-7 | lane 1 elements 32-39; w0: 8-15 | 40-47; v1: 16-23 | 48-55; w1: 24-31 | 56-63.
+      const __m256i v0 = _mm256_unpacklo_epi8(l0, h0), w0 = _mm256_unpackhi_epi8(l0, h0);
+      const __m256i v1 = _mm256_unpacklo_epi8(l1, h1), w1 = _mm256_unpackhi_epi8(l1, h1);
+      __m256i* o = reinterpret_cast<__m256i*>(d + k);
+      _mm256_storeu_si256(o, _mm256_permute2x128_si256(v0, w0, 0x20));
+      _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(v1, w1, 0x20));
+      _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(v0, w0, 0x31));
+      _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(v1, w1, 0x31));
+    }
+  }
+  if (b0 < hi) nf4_decode_loop(codes, scales, b0, hi, block, out + (b0 - lo));
 }
 
 // --- AVX-512 with VBMI, BF16 and the fp16 conversions (Ice Lake, Sapphire Rapids, Zen 4) ------
@@ -368,7 +443,7 @@ bool have_avx512x() {
     return have_avx512() && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi") &&
            __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   }();
-  return v && isa_cap() >= 2;
+  return v && isa_cap() >= 3;
 }
 
 // M of the e4m3 rounding (above) by biased exponent & 31, for the exponents 104 (2^-23) ..
@@ -951,6 +1026,7 @@ DstFns dst_fns(at::ScalarType t) {
     case at::kBFloat16:
       if (have_avx512x()) return {fp8_decode_x512<bf16_t>, nf4_decode_x512<bf16_t>};
       if (have_avx512()) return {fp8_decode_avx512<bf16_t>, nf4_decode_avx512_bf16};
+      if (have_avx2()) return {fp8_decode_bf16_t, nf4_decode_avx2_bf16};
       return {fp8_decode_bf16_t, nf4_decode_bf16_t};
 #else
     case at::kFloat: return {fp8_decode_float, nf4_decode_float};
@@ -1169,6 +1245,7 @@ std::string quant_cpu_isa() {
 #if FSDPN_QUANT_X86
   if (have_avx512x()) return "avx512-vbmi";
   if (have_avx512()) return "avx512";
+  if (have_avx2()) return "avx2";
 #else
   (void)isa_cap();
 #endif
