@@ -419,6 +419,39 @@ FSDPN_AVX2 void nf4_decode_avx2_bf16(const uint8_t* codes, const uint8_t* scales
   if (b0 < hi) nf4_decode_loop(codes, scales, b0, hi, block, out + (b0 - lo));
 }
 
+// fp8 decode into bf16 by a table: per call (one scale: a rank's shard, or one row) the 256
+// values store_value(e4m3_to_float(code) * scale), the same bits as the loop's per element,
+// then one table load per element. Short calls (a table per few elements) take the loop.
+struct E4m3Table {
+  float v[256];
+  E4m3Table() {
+    for (uint32_t k = 0; k < 256; ++k) v[k] = e4m3_to_float(k);
+  }
+};
+alignas(64) const E4m3Table kE4m3Table;
+
+FSDPN_AVX2 void fp8_decode_avx2_bf16(const uint8_t* codes, int64_t n, float scale, void* dst) {
+  bf16_t* d = static_cast<bf16_t*>(dst);
+  if (n < 1024) {
+    fp8_decode_loop(codes, n, scale, d);
+    return;
+  }
+  alignas(32) uint16_t table[256];
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int k = 0; k < 256; k += 16) {
+    __m256i u[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i x = _mm256_castps_si256(_mm256_mul_ps(_mm256_load_ps(kE4m3Table.v + k + 8 * h), s));
+      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
+      u[h] = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(table + k), _mm256_permute4x64_epi64(_mm256_packus_epi32(u[0], u[1]), 0xd8));
+  }
+  for (int64_t i = 0; i < n; ++i) d[i].x = table[codes[i]];
+}
+
 // --- AVX-512 with VBMI, BF16 and the fp16 conversions (Ice Lake, Sapphire Rapids, Zen 4) ------
 //
 // The same bytes and values as the portable loops, in fewer instructions:
@@ -1026,7 +1059,7 @@ DstFns dst_fns(at::ScalarType t) {
     case at::kBFloat16:
       if (have_avx512x()) return {fp8_decode_x512<bf16_t>, nf4_decode_x512<bf16_t>};
       if (have_avx512()) return {fp8_decode_avx512<bf16_t>, nf4_decode_avx512_bf16};
-      if (have_avx2()) return {fp8_decode_bf16_t, nf4_decode_avx2_bf16};
+      if (have_avx2()) return {fp8_decode_avx2_bf16, nf4_decode_avx2_bf16};
       return {fp8_decode_bf16_t, nf4_decode_bf16_t};
 #else
     case at::kFloat: return {fp8_decode_float, nf4_decode_float};
