@@ -419,9 +419,59 @@ FSDPN_AVX2 void nf4_decode_avx2_bf16(const uint8_t* codes, const uint8_t* scales
   if (b0 < hi) nf4_decode_loop(codes, scales, b0, hi, block, out + (b0 - lo));
 }
 
+// fp8 encode, 8 elements per vector, 32 per step: fp8_encode's integer steps (quant_math.h)
+// lane by lane. Sources float or bf16.
+template <typename S>
+FSDPN_AVX2 FSDPN_INLINE __m256 load8_avx2(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+FSDPN_AVX2 FSDPN_INLINE __m256i fp8_codes8_avx2(__m256 x, __m256 inv) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256 q = _mm256_mul_ps(x, inv);
+  const __m256 top = _mm256_set1_ps(kE4M3Max), bottom = _mm256_set1_ps(-kE4M3Max);
+  const __m256 hi = _mm256_blendv_ps(q, top, _mm256_cmp_ps(q, top, _CMP_GT_OQ));
+  const __m256 c = _mm256_blendv_ps(hi, bottom, _mm256_cmp_ps(hi, bottom, _CMP_LT_OQ));
+  const __m256i u = _mm256_castps_si256(c);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+  const __m256i a = _mm256_and_si256(u, abs_mask);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_sub_epi32(a, _mm256_set1_epi32(120 << 23)), _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), odd)), 20);
+  const __m256i big = _mm256_set1_epi32(141 << 23);
+  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(big))), big);
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), a);
+  const __m256i code = _mm256_or_si256(_mm256_blendv_epi8(normal, sub, is_sub), sign);
+  const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), _mm256_and_si256(_mm256_castps_si256(x), abs_mask));
+  return _mm256_blendv_epi8(_mm256_set1_epi32(kE4M3NaN), code, finite);
+}
+
+template <typename S>
+FSDPN_AVX2 void fp8_encode_avx2(const void* src, int64_t n, float inv_scale, uint8_t* d) {
+  const S* x = static_cast<const S*>(src);
+  const __m256 inv = _mm256_set1_ps(inv_scale);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i c0 = fp8_codes8_avx2(load8_avx2(x + i), inv), c1 = fp8_codes8_avx2(load8_avx2(x + i + 8), inv);
+    const __m256i c2 = fp8_codes8_avx2(load8_avx2(x + i + 16), inv), c3 = fp8_codes8_avx2(load8_avx2(x + i + 24), inv);
+    // Codes are 0-255: the signed 32 -> 16 pack is exact; the bytes come out lane-interleaved.
+    const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm256_permutevar8x32_epi32(b, order));
+  }
+  fp8_encode_loop(x + i, n - i, inv_scale, d + i);
+}
+
 // fp8 decode into bf16 by a table: per call (one scale: a rank's shard, or one row) the 256
 // values store_value(e4m3_to_float(code) * scale), the same bits as the loop's per element,
-// then one table load per element. Short calls (a table per few elements) take the loop.
+// then 8 elements per 32-bit gather (faster here than one scalar table load per element:
+// 23 against 33 ms on the Llama-style layer). Short calls (a table per few elements) take
+// the loop.
 struct E4m3Table {
   float v[256];
   E4m3Table() {
@@ -436,20 +486,23 @@ FSDPN_AVX2 void fp8_decode_avx2_bf16(const uint8_t* codes, int64_t n, float scal
     fp8_decode_loop(codes, n, scale, d);
     return;
   }
-  alignas(32) uint16_t table[256];
+  alignas(32) int32_t table[256];  // bf16 bits in the low half, for 32-bit gathers
   const __m256 s = _mm256_set1_ps(scale);
-  for (int k = 0; k < 256; k += 16) {
-    __m256i u[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i x = _mm256_castps_si256(_mm256_mul_ps(_mm256_load_ps(kE4m3Table.v + k + 8 * h), s));
-      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
-      u[h] = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    }
-    _mm256_store_si256(reinterpret_cast<__m256i*>(table + k), _mm256_permute4x64_epi64(_mm256_packus_epi32(u[0], u[1]), 0xd8));
+  for (int k = 0; k < 256; k += 8) {
+    const __m256i x = _mm256_castps_si256(_mm256_mul_ps(_mm256_load_ps(kE4m3Table.v + k), s));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(table + k), _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan));
   }
-  for (int64_t i = 0; i < n; ++i) d[i].x = table[codes[i]];
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+    const __m256i v0 = _mm256_i32gather_epi32(table, _mm256_cvtepu8_epi32(c), 4);
+    const __m256i v1 = _mm256_i32gather_epi32(table, _mm256_cvtepu8_epi32(_mm_srli_si128(c, 8)), 4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(v0, v1), 0xd8));
+  }
+  for (; i < n; ++i) d[i].x = static_cast<uint16_t>(table[codes[i]]);
 }
 
 // --- AVX-512 with VBMI, BF16 and the fp16 conversions (Ice Lake, Sapphire Rapids, Zen 4) ------
@@ -1036,11 +1089,13 @@ SrcFns src_fns(at::ScalarType t) {
       if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_x512<float>, fp8_rows_x512<float>,
                                   max_abs_x512<float>, fp8_encode_x512_fn<float, false, true>};
       if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
+      if (have_avx2()) return {max_finite_abs_float, fp8_encode_avx2<float>, fp8_encode_avx2<float>, nf4_blocks_float};
       return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
       if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_x512<bf16_t>, fp8_rows_x512<bf16_t>,
                                   max_abs_x512<bf16_t>, fp8_encode_x512_fn<bf16_t, false, true>};
       if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
+      if (have_avx2()) return {max_finite_abs_bf16_t, fp8_encode_avx2<bf16_t>, fp8_encode_avx2<bf16_t>, nf4_blocks_bf16_t};
       return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
     case at::kFloat: return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
