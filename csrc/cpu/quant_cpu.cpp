@@ -467,6 +467,63 @@ FSDPN_AVX2 void fp8_encode_avx2(const void* src, int64_t n, float inv_scale, uin
   fp8_encode_loop(x + i, n - i, inv_scale, d + i);
 }
 
+// NF4 encode: per whole block (a multiple of 32 elements), the largest |x| bits (unsigned max:
+// inf and NaN included, as max_abs_loop) and nf4_scale as the loop; then per element the
+// count of midpoints below v = x * (1 / scale), 15 compares (a NaN v is below none: code 0),
+// two codes per byte. Other blocks take the loop.
+struct Nf4Mids {
+  float v[15];
+  Nf4Mids() {
+    for (uint32_t k = 0; k < 15; ++k) v[k] = (nf4_value(k) + nf4_value(k + 1)) * 0.5f;
+  }
+};
+const Nf4Mids kNf4Mids;
+
+FSDPN_AVX2 FSDPN_INLINE __m256i nf4_codes8_avx2(__m256 v, const __m256* mid) {
+  __m256i count = _mm256_setzero_si256();
+  for (int k = 0; k < 15; ++k) count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(v, mid[k], _CMP_GT_OQ)));
+  return count;
+}
+
+template <typename S>
+FSDPN_AVX2 void nf4_blocks_avx2(const void* src, int64_t n, int64_t len, int64_t n_blocks, int64_t block,
+                                uint8_t* codes, uint8_t* scales) {
+  const S* x = static_cast<const S*>(src);
+  __m256 mid[15];
+  for (int k = 0; k < 15; ++k) mid[k] = _mm256_set1_ps(kNf4Mids.v[k]);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t lo = b * block;
+    if (block % 32 != 0 || lo + block > n) {  // a short or partial block: the loop
+      nf4_blocks_loop(x + lo, n - lo, len - lo, 1, block, codes + lo / 2, scales + 4 * b);
+      continue;
+    }
+    const S* s = x + lo;
+    __m256i m = _mm256_setzero_si256();
+    for (int64_t k = 0; k < block; k += 8) m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(load8_avx2(s + k)), abs_mask));
+    m = _mm256_max_epu32(m, _mm256_permute2x128_si256(m, m, 0x01));
+    m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0x4e));
+    m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0xb1));
+    const float scale = nf4_scale(static_cast<uint32_t>(_mm256_cvtsi256_si32(m)));
+    std::memcpy(scales + 4 * b, &scale, 4);
+    const __m256 inv = _mm256_set1_ps(1.0f / scale);
+    uint8_t* c = codes + lo / 2;
+    for (int64_t k = 0; k < block; k += 32) {
+      const __m256i c0 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k), inv), mid);
+      const __m256i c1 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k + 8), inv), mid);
+      const __m256i c2 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k + 16), inv), mid);
+      const __m256i c3 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k + 24), inv), mid);
+      // 32 codes (0-15) as bytes in element order; then byte pairs (first, second) as u16
+      // lanes become (first << 4) | second, packed to 16 bytes.
+      const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3)), order);
+      const __m256i pair = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b8, _mm256_set1_epi16(0xff)), 4), _mm256_srli_epi16(b8, 8));
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0x08);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k / 2), _mm256_castsi256_si128(packed));
+    }
+  }
+}
+
 // fp8 decode into bf16 by a table: per call (one scale: a rank's shard, or one row) the 256
 // values store_value(e4m3_to_float(code) * scale), the same bits as the loop's per element,
 // then 8 elements per 32-bit gather (faster here than one scalar table load per element:
@@ -1089,13 +1146,13 @@ SrcFns src_fns(at::ScalarType t) {
       if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_x512<float>, fp8_rows_x512<float>,
                                   max_abs_x512<float>, fp8_encode_x512_fn<float, false, true>};
       if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
-      if (have_avx2()) return {max_finite_abs_float, fp8_encode_avx2<float>, fp8_encode_avx2<float>, nf4_blocks_float};
+      if (have_avx2()) return {max_finite_abs_float, fp8_encode_avx2<float>, fp8_encode_avx2<float>, nf4_blocks_avx2<float>};
       return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
       if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_x512<bf16_t>, fp8_rows_x512<bf16_t>,
                                   max_abs_x512<bf16_t>, fp8_encode_x512_fn<bf16_t, false, true>};
       if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
-      if (have_avx2()) return {max_finite_abs_bf16_t, fp8_encode_avx2<bf16_t>, fp8_encode_avx2<bf16_t>, nf4_blocks_bf16_t};
+      if (have_avx2()) return {max_finite_abs_bf16_t, fp8_encode_avx2<bf16_t>, fp8_encode_avx2<bf16_t>, nf4_blocks_avx2<bf16_t>};
       return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
     case at::kFloat: return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
