@@ -363,17 +363,21 @@ bool have_avx2() {
 // whole multiples of 64 elements take the loop.
 #define FSDPN_AVX2 __attribute__((target("avx2")))
 
+// store_value<bf16_t>'s bits for 8 floats (given as bits), in the low halves of 32-bit lanes.
+FSDPN_AVX2 FSDPN_INLINE __m256i bf16_bits8_avx2(__m256i x) {
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
 // The bf16 bits of store_value<bf16_t>(t[k] * scale), k = 0..15, as (low bytes, high bytes),
 // each 16-entry table in both 128-bit lanes.
 FSDPN_AVX2 FSDPN_INLINE void nf4_bf16_tables(float scale, __m256i& lo, __m256i& hi) {
   const __m256 s = _mm256_set1_ps(scale);
   __m256i u[2];
   for (int h = 0; h < 2; ++h) {
-    const __m256i x = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(kNf4Table.v + 8 * h), s));
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
-    u[h] = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    u[h] = bf16_bits8_avx2(_mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(kNf4Table.v + 8 * h), s)));
   }
   // 16 x u16 in order: packus is per 128-bit lane, so fix the quadword order after it.
   const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(u[0], u[1]), 0xd8);
@@ -547,10 +551,7 @@ FSDPN_AVX2 void fp8_decode_avx2_bf16(const uint8_t* codes, int64_t n, float scal
   const __m256 s = _mm256_set1_ps(scale);
   for (int k = 0; k < 256; k += 8) {
     const __m256i x = _mm256_castps_si256(_mm256_mul_ps(_mm256_load_ps(kE4m3Table.v + k), s));
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(table + k), _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(table + k), bf16_bits8_avx2(x));
   }
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
