@@ -37,7 +37,16 @@ ARGS = ModelArgs(n_layers=2, dim=64, vocab_size=128, max_seq_len=16, n_heads=4)
 BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _build(fmt: str | None, mesh, frozen_blocks: bool = False, seed: int = 0, args: ModelArgs = ARGS, compile_blocks: bool = False, **shard_kw):
+def _build(
+    fmt: str | None,
+    mesh,
+    frozen_blocks: bool = False,
+    seed: int = 0,
+    args: ModelArgs = ARGS,
+    compile_blocks: bool = False,
+    ac: bool = False,
+    **shard_kw,
+):
     import fsdp_native
 
     torch.manual_seed(seed)
@@ -47,6 +56,11 @@ def _build(fmt: str | None, mesh, frozen_blocks: bool = False, seed: int = 0, ar
             for name, p in layer.named_parameters():
                 if p.dim() >= 2:
                     p.requires_grad_(False)
+    if ac:  # activation checkpointing of every block
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
     mp = fsdp_native.MixedPrecisionPolicy(**BF16)
     ag = None if fmt is None else fsdp_native.QuantizedAllGather(fmt, min_numel=256)
     for layer in model.layers:
@@ -203,24 +217,9 @@ def test_quantized_all_gather_with_compiled_blocks():
 def _train_ac(fmt: str, ac: bool) -> tuple[list[float], dict]:
     """3 steps of 2 micro-batches (the first without gradient sync), blocks under activation
     checkpointing or not."""
-    import fsdp_native
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     from dist_utils import full
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
-    for i, layer in enumerate(model.layers):
-        if fmt == "nf4":
-            for p in layer.parameters():
-                p.requires_grad_(p.dim() < 2)
-        if ac:
-            model.layers[i] = checkpoint_wrapper(layer)
-    mp = fsdp_native.MixedPrecisionPolicy(**BF16)
-    for layer in model.layers:
-        fsdp_native.fully_shard(layer, mesh=mesh, mp_policy=mp, all_gather=fsdp_native.QuantizedAllGather(fmt, min_numel=256))
-    fsdp_native.fully_shard(model, mesh=mesh, mp_policy=mp)
+    model = _build(fmt, init_device_mesh("cpu", (dist.get_world_size(),)), frozen_blocks=fmt == "nf4", ac=ac)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(dist.get_rank())
     losses = []

@@ -455,18 +455,22 @@ FSDPN_AVX2 FSDPN_INLINE __m256i fp8_codes8_avx2(__m256 x, __m256 inv) {
   return _mm256_blendv_epi8(_mm256_set1_epi32(kE4M3NaN), code, finite);
 }
 
+// 32 codes (0-255, in 4 x 8 int32 lanes, element order) as 32 bytes in element order: the
+// signed 32 -> 16 pack is exact, the packs interleave the 128-bit lanes, the permute undoes it.
+FSDPN_AVX2 FSDPN_INLINE __m256i bytes32_avx2(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 template <typename S>
 FSDPN_AVX2 void fp8_encode_avx2(const void* src, int64_t n, float inv_scale, uint8_t* d) {
   const S* x = static_cast<const S*>(src);
   const __m256 inv = _mm256_set1_ps(inv_scale);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     const __m256i c0 = fp8_codes8_avx2(load8_avx2(x + i), inv), c1 = fp8_codes8_avx2(load8_avx2(x + i + 8), inv);
     const __m256i c2 = fp8_codes8_avx2(load8_avx2(x + i + 16), inv), c3 = fp8_codes8_avx2(load8_avx2(x + i + 24), inv);
-    // Codes are 0-255: the signed 32 -> 16 pack is exact; the bytes come out lane-interleaved.
-    const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm256_permutevar8x32_epi32(b, order));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), bytes32_avx2(c0, c1, c2, c3));
   }
   fp8_encode_loop(x + i, n - i, inv_scale, d + i);
 }
@@ -496,7 +500,6 @@ FSDPN_AVX2 void nf4_blocks_avx2(const void* src, int64_t n, int64_t len, int64_t
   __m256 mid[15];
   for (int k = 0; k < 15; ++k) mid[k] = _mm256_set1_ps(kNf4Mids.v[k]);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t lo = b * block;
     if (block % 32 != 0 || lo + block > n) {  // a short or partial block: the loop
@@ -518,9 +521,9 @@ FSDPN_AVX2 void nf4_blocks_avx2(const void* src, int64_t n, int64_t len, int64_t
       const __m256i c1 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k + 8), inv), mid);
       const __m256i c2 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k + 16), inv), mid);
       const __m256i c3 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k + 24), inv), mid);
-      // 32 codes (0-15) as bytes in element order; then byte pairs (first, second) as u16
-      // lanes become (first << 4) | second, packed to 16 bytes.
-      const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3)), order);
+      // Byte pairs (first, second) of the 32 codes as u16 lanes become (first << 4) | second,
+      // packed to 16 bytes.
+      const __m256i b8 = bytes32_avx2(c0, c1, c2, c3);
       const __m256i pair = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b8, _mm256_set1_epi16(0xff)), 4), _mm256_srli_epi16(b8, 8));
       const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0x08);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k / 2), _mm256_castsi256_si128(packed));
