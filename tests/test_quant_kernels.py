@@ -184,11 +184,12 @@ def test_e4m3_decoding_every_code():
 def test_fp8_decode_every_code_long_runs(fmt, out_dtype):
     """Every code, 8 times over (rows of 2048: long enough for the table decode of the AVX2
     level), at scales whose products are subnormal, overflow or are ordinary, against the
-    reference."""
+    reference. 2^100 is the largest scale of the fp16-widening decodes (256 scale exact), 2^-149
+    the smallest subnormal one; larger scales take the table."""
     n, row = 2048, 2048
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(n // 256)
     codes = codes[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
-    for scale in (1.0, 3.0e-3, 2.0**-133, 1.7e36, 2.0**120, float("nan")):
+    for scale in (1.0, 3.0e-3, 2.0**-133, 2.0**-149, -0.75, 2.0**100, 1.7e36, 2.0**120, float("nan")):
         seg = Q.segment_layout(n, row, fmt)
         buf = torch.zeros(seg.nbytes, dtype=torch.uint8)
         buf[:n] = codes

@@ -566,6 +566,108 @@ FSDPN_AVX2 void fp8_decode_avx2_bf16(const uint8_t* codes, int64_t n, float scal
   for (; i < n; ++i) d[i].x = static_cast<uint16_t>(table[codes[i]]);
 }
 
+// fp8 decode with F16C (every AVX2 CPU has it), as fp8_decode_x512 does: the code's sign,
+// exponent and mantissa bits moved into an fp16 are the e4m3 value times 2^-8, exactly, which
+// VCVTPH2PS widens; times 256 scale (exact while |scale| <= 2^100) that is code * scale with
+// one rounding. bf16 by the integer rounding (subnormal products included: no instruction
+// flushes them). NaN codes (0x7f, 0xff) store the canonical NaN. 32 codes per step, no
+// gathers: 23 -> 9 ms into bf16 on the Llama-style layer, against the table. Other scales take
+// the table (bf16) or the loop (fp32).
+#define FSDPN_F16C __attribute__((target("avx2,f16c")))
+
+bool have_avx2_f16c() {
+  static const bool v = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("f16c") != 0;
+  }();
+  return v && have_avx2();
+}
+
+// e4m3 bytes (16, sign-extended to 16 bits) as fp16 bits: e4m3 value * 2^-8.
+FSDPN_F16C FSDPN_INLINE __m256i e4m3_fp16_bits16(__m128i b) {
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+}
+
+// store_value<bf16_t>'s bits for 8 finite floats, in the low halves of 32-bit lanes.
+FSDPN_F16C FSDPN_INLINE __m256i bf16_bits8_finite_avx2(__m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
+}
+
+template <typename D>
+FSDPN_F16C void fp8_decode_f16c(const uint8_t* c, int64_t n, float scale, void* dst) {
+  D* d = static_cast<D*>(dst);
+  if (!(std::fabs(scale) <= 0x1p100f)) {
+    if constexpr (std::is_same_v<D, float>) {
+      fp8_decode_loop(c, n, scale, d);
+    } else {
+      fp8_decode_avx2_bf16(c, n, scale, dst);
+    }
+    return;
+  }
+  const __m256 sc = _mm256_set1_ps(scale * 256.0f);
+  const __m256i nan_code = _mm256_set1_epi8(static_cast<char>(0xfe));  // 2 code, for 0x7f and 0xff
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i));
+    const __m256i nan = _mm256_cmpeq_epi8(_mm256_add_epi8(b, b), nan_code);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i bh = h == 0 ? _mm256_castsi256_si128(b) : _mm256_extracti128_si256(b, 1);
+      const __m128i nh = h == 0 ? _mm256_castsi256_si128(nan) : _mm256_extracti128_si256(nan, 1);
+      const __m256i w = e4m3_fp16_bits16(bh);
+      const __m256 v0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(w)), sc);
+      const __m256 v1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(w, 1)), sc);
+      D* o = d + i + 16 * h;
+      if constexpr (std::is_same_v<D, float>) {
+        const __m256 q = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(kNaNBits)));
+        _mm256_storeu_ps(o, _mm256_blendv_ps(v0, q, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nh))));
+        _mm256_storeu_ps(o + 8, _mm256_blendv_ps(v1, q, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(nh, 8)))));
+      } else {
+        const __m256i r = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits8_finite_avx2(v0), bf16_bits8_finite_avx2(v1)), 0xd8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_blendv_epi8(r, _mm256_set1_epi16(0x7fc0), _mm256_cvtepi8_epi16(nh)));
+      }
+    }
+  }
+  fp8_decode_loop(c + i, n - i, scale, d + i);
+}
+
+// NF4 decode into fp32: per block, the 16 values store_value(t[k] * scale) in two registers,
+// looked up by VPERMPS (the low 3 bits of the code) and chosen by its bit 3; 32 elements (16
+// code bytes) per step. Blocks that are not whole multiples of 32 elements take the loop.
+FSDPN_AVX2 void nf4_decode_avx2_float(const uint8_t* codes, const uint8_t* scales, int64_t lo, int64_t hi,
+                                      int64_t block, void* dst) {
+  float* out = static_cast<float*>(dst);
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  const __m256i qnan = _mm256_set1_epi32(static_cast<int>(kNaNBits));
+  int64_t b0 = lo;
+  for (; b0 < hi; b0 += block) {
+    if (block % 32 != 0 || b0 + block > hi) break;  // the loop takes the rest
+    float scale;
+    std::memcpy(&scale, scales + 4 * (b0 / block), 4);
+    const __m256 s = _mm256_set1_ps(scale);
+    __m256 t[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(kNf4Table.v + 8 * h), s);
+      t[h] = _mm256_blendv_ps(v, _mm256_castsi256_ps(qnan), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    const uint8_t* c = codes + b0 / 2;
+    float* d = out + (b0 - lo);
+    for (int64_t k = 0; k < block; k += 32) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k / 2));
+      const __m128i first = _mm_and_si128(_mm_srli_epi16(b, 4), low4), second = _mm_and_si128(b, low4);
+      const __m128i e[2] = {_mm_unpacklo_epi8(first, second), _mm_unpackhi_epi8(first, second)};
+      for (int q = 0; q < 4; ++q) {
+        const __m256i idx = _mm256_cvtepu8_epi32(q % 2 == 0 ? e[q / 2] : _mm_srli_si128(e[q / 2], 8));
+        const __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[0], idx), _mm256_permutevar8x32_ps(t[1], idx),
+                                          _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        _mm256_storeu_ps(d + k + 8 * q, v);
+      }
+    }
+  }
+  if (b0 < hi) nf4_decode_loop(codes, scales, b0, hi, block, out + (b0 - lo));
+}
+
 // --- AVX-512 with VBMI, BF16 and the fp16 conversions (Ice Lake, Sapphire Rapids, Zen 4) ------
 //
 // The same bytes and values as the portable loops, in fewer instructions:
@@ -1171,10 +1273,13 @@ DstFns dst_fns(at::ScalarType t) {
     case at::kFloat:
       if (have_avx512x()) return {fp8_decode_x512<float>, nf4_decode_x512<float>};
       if (have_avx512()) return {fp8_decode_avx512<float>, nf4_decode_avx512_float};
+      if (have_avx2_f16c()) return {fp8_decode_f16c<float>, nf4_decode_avx2_float};
+      if (have_avx2()) return {fp8_decode_float, nf4_decode_avx2_float};
       return {fp8_decode_float, nf4_decode_float};
     case at::kBFloat16:
       if (have_avx512x()) return {fp8_decode_x512<bf16_t>, nf4_decode_x512<bf16_t>};
       if (have_avx512()) return {fp8_decode_avx512<bf16_t>, nf4_decode_avx512_bf16};
+      if (have_avx2_f16c()) return {fp8_decode_f16c<bf16_t>, nf4_decode_avx2_bf16};
       if (have_avx2()) return {fp8_decode_avx2_bf16, nf4_decode_avx2_bf16};
       return {fp8_decode_bf16_t, nf4_decode_bf16_t};
 #else
