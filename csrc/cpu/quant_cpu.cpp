@@ -477,8 +477,11 @@ FSDPN_AVX2 void fp8_encode_avx2(const void* src, int64_t n, float inv_scale, uin
 
 // NF4 encode: per whole block (a multiple of 32 elements), the largest |x| bits (unsigned max:
 // inf and NaN included, as max_abs_loop) and nf4_scale as the loop; then per element the
-// count of midpoints below v = x * (1 / scale), 15 compares (a NaN v is below none: code 0),
-// two codes per byte. Other blocks take the loop.
+// count of midpoints below v = x * (1 / scale), found by a binary search over the 15 sorted
+// midpoints (4 compares against the midpoint picked per lane: m7; m3 or m11; one of m1, m5,
+// m9, m13; one of the even ones), which gives the count the 15 compares did (each compare is
+// "v > m", so a v equal to a midpoint and a NaN v go low: a NaN v is code 0). Two codes per
+// byte. Other blocks take the loop.
 struct Nf4Mids {
   float v[15];
   Nf4Mids() {
@@ -487,18 +490,33 @@ struct Nf4Mids {
 };
 const Nf4Mids kNf4Mids;
 
-FSDPN_AVX2 FSDPN_INLINE __m256i nf4_codes8_avx2(__m256 v, const __m256* mid) {
-  __m256i count = _mm256_setzero_si256();
-  for (int k = 0; k < 15; ++k) count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(v, mid[k], _CMP_GT_OQ)));
-  return count;
+struct Nf4SearchAvx2 {
+  __m256 m7, m3, m11, m1, m5, m9, m13, even;  // even: m0, m2, ..., m14 in lanes 0-7
+};
+
+FSDPN_AVX2 FSDPN_INLINE __m256i nf4_codes8_avx2(__m256 v, const Nf4SearchAvx2& t) {
+  const __m256 c8 = _mm256_cmp_ps(v, t.m7, _CMP_GT_OQ);
+  const __m256 c4 = _mm256_cmp_ps(v, _mm256_blendv_ps(t.m3, t.m11, c8), _CMP_GT_OQ);
+  const __m256 c2 = _mm256_cmp_ps(v, _mm256_blendv_ps(_mm256_blendv_ps(t.m1, t.m5, c4), _mm256_blendv_ps(t.m9, t.m13, c4), c8),
+                                  _CMP_GT_OQ);
+  // j = code / 2 = 4 [c8] + 2 [c4] + [c2]; the last compare is against m[2 j].
+  const __m256i j = _mm256_or_si256(
+      _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(c8), _mm256_set1_epi32(4)),
+                      _mm256_and_si256(_mm256_castps_si256(c4), _mm256_set1_epi32(2))),
+      _mm256_and_si256(_mm256_castps_si256(c2), _mm256_set1_epi32(1)));
+  const __m256 c1 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(t.even, j), _CMP_GT_OQ);
+  return _mm256_sub_epi32(_mm256_add_epi32(j, j), _mm256_castps_si256(c1));
 }
 
 template <typename S>
 FSDPN_AVX2 void nf4_blocks_avx2(const void* src, int64_t n, int64_t len, int64_t n_blocks, int64_t block,
                                 uint8_t* codes, uint8_t* scales) {
   const S* x = static_cast<const S*>(src);
-  __m256 mid[15];
-  for (int k = 0; k < 15; ++k) mid[k] = _mm256_set1_ps(kNf4Mids.v[k]);
+  const float* md = kNf4Mids.v;
+  Nf4SearchAvx2 mid;
+  mid.m7 = _mm256_set1_ps(md[7]), mid.m3 = _mm256_set1_ps(md[3]), mid.m11 = _mm256_set1_ps(md[11]);
+  mid.m1 = _mm256_set1_ps(md[1]), mid.m5 = _mm256_set1_ps(md[5]), mid.m9 = _mm256_set1_ps(md[9]), mid.m13 = _mm256_set1_ps(md[13]);
+  mid.even = _mm256_setr_ps(md[0], md[2], md[4], md[6], md[8], md[10], md[12], md[14]);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t lo = b * block;
