@@ -423,8 +423,11 @@ FSDPN_AVX2 void nf4_decode_avx2_bf16(const uint8_t* codes, const uint8_t* scales
   if (b0 < hi) nf4_decode_loop(codes, scales, b0, hi, block, out + (b0 - lo));
 }
 
-// fp8 encode, 8 elements per vector, 32 per step: fp8_encode's integer steps (quant_math.h)
-// lane by lane. Sources float or bf16.
+// fp8 encode, 8 elements per vector, 32 per step, sources float or bf16: the e4m3 rounding in
+// the float adder, as the AVX-512 kernel does (see there), with M computed instead of looked up:
+// for a = min(|q|, 448) with biased exponent e (e' = max(e, 121): below 2^-6 the subnormal
+// step), M's bits are ((e' + 20) << 23) | ((e' - 121) << 3), and the low byte of the bits of
+// a + M is the code. 17 operations per 8 elements where quant_math.h's integer steps took 23.
 template <typename S>
 FSDPN_AVX2 FSDPN_INLINE __m256 load8_avx2(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
@@ -438,19 +441,15 @@ FSDPN_AVX2 FSDPN_INLINE __m256 load8_avx2(const S* p) {
 FSDPN_AVX2 FSDPN_INLINE __m256i fp8_codes8_avx2(__m256 x, __m256 inv) {
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   const __m256 q = _mm256_mul_ps(x, inv);
-  const __m256 top = _mm256_set1_ps(kE4M3Max), bottom = _mm256_set1_ps(-kE4M3Max);
-  const __m256 hi = _mm256_blendv_ps(q, top, _mm256_cmp_ps(q, top, _CMP_GT_OQ));
-  const __m256 c = _mm256_blendv_ps(hi, bottom, _mm256_cmp_ps(hi, bottom, _CMP_LT_OQ));
-  const __m256i u = _mm256_castps_si256(c);
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
-  const __m256i a = _mm256_and_si256(u, abs_mask);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
-  const __m256i normal = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_sub_epi32(a, _mm256_set1_epi32(120 << 23)), _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), odd)), 20);
-  const __m256i big = _mm256_set1_epi32(141 << 23);
-  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(big))), big);
-  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), a);
-  const __m256i code = _mm256_or_si256(_mm256_blendv_epi8(normal, sub, is_sub), sign);
+  const __m256i qb = _mm256_castps_si256(q);
+  // min_ps gives its second operand for a NaN |q|: 448, replaced by the NaN code below.
+  const __m256 a = _mm256_min_ps(_mm256_castsi256_ps(_mm256_and_si256(qb, abs_mask)), _mm256_set1_ps(kE4M3Max));
+  const __m256i e = _mm256_max_epi32(_mm256_srli_epi32(_mm256_castps_si256(a), 23), _mm256_set1_epi32(121));
+  const __m256i m = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(e, 23), _mm256_slli_epi32(e, 3)),
+                                     _mm256_set1_epi32((20 << 23) - (121 << 3)));
+  const __m256i sum = _mm256_castps_si256(_mm256_add_ps(a, _mm256_castsi256_ps(m)));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(qb, 24), _mm256_set1_epi32(0x80));
+  const __m256i code = _mm256_or_si256(_mm256_and_si256(sum, _mm256_set1_epi32(0xff)), sign);
   const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), _mm256_and_si256(_mm256_castps_si256(x), abs_mask));
   return _mm256_blendv_epi8(_mm256_set1_epi32(kE4M3NaN), code, finite);
 }
