@@ -182,10 +182,10 @@ def test_e4m3_decoding_every_code():
 @pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_rowwise"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_fp8_decode_every_code_long_runs(fmt, out_dtype):
-    """Every code, 8 times over (rows of 2048: long enough for the table decode of the AVX2
+    """Every code, 8 times over (rows of 2048: long enough for the vector decodes of every
     level), at scales whose products are subnormal, overflow or are ordinary, against the
-    reference. 2^100 is the largest scale of the fp16-widening decodes (256 scale exact), 2^-149
-    the smallest subnormal one; larger scales take the table."""
+    reference. 2^100 is the largest scale of the fp16-widening decodes (AVX-512, AVX2: 256 scale
+    exact), 2^-149 the smallest subnormal one; larger scales take the AVX2 level's table."""
     n, row = 2048, 2048
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(n // 256)
     codes = codes[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
