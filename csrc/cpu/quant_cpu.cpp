@@ -363,12 +363,17 @@ bool have_avx2() {
 // whole multiples of 64 elements take the loop.
 #define FSDPN_AVX2 __attribute__((target("avx2")))
 
-// store_value<bf16_t>'s bits for 8 floats (given as bits), in the low halves of 32-bit lanes.
+// store_value<bf16_t>'s bits for 8 non-NaN floats (given as bits), in the low halves of 32-bit
+// lanes: nearest even.
+FSDPN_AVX2 FSDPN_INLINE __m256i bf16_bits8_finite_avx2(__m256i x) {
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
+}
+
+// The same for any 8 floats: NaN stores 0x7fc0.
 FSDPN_AVX2 FSDPN_INLINE __m256i bf16_bits8_avx2(__m256i x) {
   const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  return _mm256_blendv_epi8(bf16_bits8_finite_avx2(x), _mm256_set1_epi32(0x7fc0), nan);
 }
 
 // The bf16 bits of store_value<bf16_t>(t[k] * scale), k = 0..15, as (low bytes, high bytes),
@@ -605,13 +610,6 @@ FSDPN_F16C FSDPN_INLINE __m256i e4m3_fp16_bits16(__m128i b) {
   return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
 }
 
-// store_value<bf16_t>'s bits for 8 finite floats, in the low halves of 32-bit lanes.
-FSDPN_F16C FSDPN_INLINE __m256i bf16_bits8_finite_avx2(__m256 v) {
-  const __m256i x = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
-}
-
 template <typename D>
 FSDPN_F16C void fp8_decode_f16c(const uint8_t* c, int64_t n, float scale, void* dst) {
   D* d = static_cast<D*>(dst);
@@ -641,7 +639,8 @@ FSDPN_F16C void fp8_decode_f16c(const uint8_t* c, int64_t n, float scale, void* 
         _mm256_storeu_ps(o, _mm256_blendv_ps(v0, q, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nh))));
         _mm256_storeu_ps(o + 8, _mm256_blendv_ps(v1, q, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(nh, 8)))));
       } else {
-        const __m256i r = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits8_finite_avx2(v0), bf16_bits8_finite_avx2(v1)), 0xd8);
+        const __m256i r = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits8_finite_avx2(_mm256_castps_si256(v0)),
+                                                                     bf16_bits8_finite_avx2(_mm256_castps_si256(v1))), 0xd8);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_blendv_epi8(r, _mm256_set1_epi16(0x7fc0), _mm256_cvtepi8_epi16(nh)));
       }
     }
