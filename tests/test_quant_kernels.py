@@ -263,8 +263,9 @@ def test_rowwise_finite_and_non_finite_rows_in_one_call(src):
 @pytest.mark.parametrize("src", FLOATS, ids=str)
 @pytest.mark.parametrize("block_size", [32, 64, 128, 256, 512])
 def test_nf4_runs_of_blocks_with_special_blocks(src, block_size):
-    """NF4 takes whole blocks 16 at a time (their amaxes, scales and inverse scales as vectors)
-    where 16 blocks fit in the cache, one at a time otherwise and for the rest. Every block's
+    """NF4 takes whole blocks 16 at a time with AVX-512 and 8 at a time with AVX2 (their
+    amaxes, scales and inverse scales as vectors) where the run fits in the cache, one at a
+    time otherwise and for the rest. Every block's
     amax is different and sits at a different position; blocks with a NaN, an inf, all zeros,
     a subnormal amax or the largest finite value are spread over the runs; the source starts at
     an odd element and ends in a partial block inside the padded range."""
