@@ -398,6 +398,13 @@ def test_global_amax_variant():
     for bad in (float("nan"), float("inf"), -1.0):
         out = _quantize_one(x, "fp8_tensorwise", amax=torch.tensor([bad]))
         assert out[4:8].view(f32).item() == 1.0
+    # x / scale overflowing to inf from a finite x saturates too (the vector kernels take such
+    # runs of 32 to the loop, as they do an inf or NaN x), in whole runs and in the tail
+    for src in (f32, bf16):
+        x = torch.linspace(-2.0, 2.0, 100).to(src)
+        x[[3, 40, 97]] = torch.tensor([3e38, -3e38, float("inf")]).to(src)
+        out = _quantize_one(x, "fp8_tensorwise", amax=torch.tensor([1e-30]))  # also against the reference
+        assert out[[3, 40, 97]].tolist() == [0x7E, 0xFE, 0x7F]
 
 
 def test_gathered_as_rows_of_a_larger_buffer():

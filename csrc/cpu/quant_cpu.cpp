@@ -428,11 +428,23 @@ FSDPN_AVX2 void nf4_decode_avx2_bf16(const uint8_t* codes, const uint8_t* scales
   if (b0 < hi) nf4_decode_loop(codes, scales, b0, hi, block, out + (b0 - lo));
 }
 
-// fp8 encode, 8 elements per vector, 32 per step, sources float or bf16: the e4m3 rounding in
-// the float adder, as the AVX-512 kernel does (see there), with M computed instead of looked up:
-// for a = min(|q|, 448) with biased exponent e (e' = max(e, 121): below 2^-6 the subnormal
-// step), M's bits are ((e' + 20) << 23) | ((e' - 121) << 3), and the low byte of the bits of
-// a + M is the code. 17 operations per 8 elements where quant_math.h's integer steps took 23.
+// 32 source elements as 4 float vectors: float in element order; bf16 widened by interleaving
+// with zeros (one unpack per 8 elements, where a widening load took two), so that vector k holds
+// elements 16 (k / 2) + 4 (k % 2) + {0-3, 8-11}.
+template <typename S>
+FSDPN_AVX2 FSDPN_INLINE void load32_avx2(const S* p, __m256 v[4]) {
+  if constexpr (std::is_same_v<S, float>) {
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(p + 8 * k);
+  } else {
+    const __m256i z = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
+      v[2 * h] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
+      v[2 * h + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
+    }
+  }
+}
+
 template <typename S>
 FSDPN_AVX2 FSDPN_INLINE __m256 load8_avx2(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
@@ -443,40 +455,112 @@ FSDPN_AVX2 FSDPN_INLINE __m256 load8_avx2(const S* p) {
   }
 }
 
-FSDPN_AVX2 FSDPN_INLINE __m256i fp8_codes8_avx2(__m256 x, __m256 inv) {
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256 q = _mm256_mul_ps(x, inv);
-  const __m256i qb = _mm256_castps_si256(q);
-  // min_ps gives its second operand for a NaN |q|: 448, replaced by the NaN code below.
-  const __m256 a = _mm256_min_ps(_mm256_castsi256_ps(_mm256_and_si256(qb, abs_mask)), _mm256_set1_ps(kE4M3Max));
-  const __m256i e = _mm256_max_epi32(_mm256_srli_epi32(_mm256_castps_si256(a), 23), _mm256_set1_epi32(121));
-  const __m256i m = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(e, 23), _mm256_slli_epi32(e, 3)),
-                                     _mm256_set1_epi32((20 << 23) - (121 << 3)));
-  const __m256i sum = _mm256_castps_si256(_mm256_add_ps(a, _mm256_castsi256_ps(m)));
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(qb, 24), _mm256_set1_epi32(0x80));
-  const __m256i code = _mm256_or_si256(_mm256_and_si256(sum, _mm256_set1_epi32(0xff)), sign);
-  const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), _mm256_and_si256(_mm256_castps_si256(x), abs_mask));
-  return _mm256_blendv_epi8(_mm256_set1_epi32(kE4M3NaN), code, finite);
-}
-
-// 32 codes (0-255, in 4 x 8 int32 lanes, element order) as 32 bytes in element order: the
-// signed 32 -> 16 pack is exact, the packs interleave the 128-bit lanes, the permute undoes it.
+// The 32 int32 lanes of load32_avx2's 4 vectors as 32 bytes in element order, by the signed
+// 32 -> 16 pack and the 16 -> 8 pack `Pack8` (signed or unsigned saturation), which interleave
+// the 128-bit lanes, and one permute that undoes it (the bf16 order needs 64-bit moves only).
+template <typename S, bool Signed = false>
 FSDPN_AVX2 FSDPN_INLINE __m256i bytes32_avx2(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
-  const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
-  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i lo = _mm256_packs_epi32(c0, c1), hi = _mm256_packs_epi32(c2, c3);
+  const __m256i b = Signed ? _mm256_packs_epi16(lo, hi) : _mm256_packus_epi16(lo, hi);
+  if constexpr (std::is_same_v<S, float>) return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  return _mm256_permute4x64_epi64(b, 0xd8);
 }
 
-template <typename S>
-FSDPN_AVX2 void fp8_encode_avx2(const void* src, int64_t n, float inv_scale, uint8_t* d) {
-  const S* x = static_cast<const S*>(src);
+// fp8 encode, 32 elements per step, sources float or bf16: the e4m3 rounding in the float adder,
+// as the AVX-512 kernel does (see there), with M computed instead of looked up: for
+// a = min(|q|, 448) with biased exponent e and e'' = max(e - 121, 0) (below 2^-6 the subnormal
+// step), M's bits are e'' (2^23 + 8) + 141 2^23, and the low byte of the bits of a + M is the
+// code's magnitude. `Bounded` (the scale from the data: |q| < 464 for every finite x, which
+// rounds to 448 at most) needs no clamp. The magnitudes and the signs of q (the signed packs
+// keep a sign) are packed to bytes and merged 32 at a time. 32 elements with an inf or NaN q
+// (a non-finite x, or an overflow of x / scale) take the loop, which knows the two apart.
+// 9 operations per 8 elements and 12 per 32, where the encode took 23 and then 20; this
+// CPU's vector shifts are few (one per 8), since they share two pipes with the packs.
+template <bool Bounded>
+FSDPN_AVX2 FSDPN_INLINE __m256i fp8_mag8_avx2(__m256 x, __m256 inv, __m256i& qb, __m256i& q_abs) {
+  qb = _mm256_castps_si256(_mm256_mul_ps(x, inv));
+  q_abs = _mm256_and_si256(qb, _mm256_set1_epi32(0x7fffffff));
+  const __m256i a = Bounded ? q_abs : _mm256_castps_si256(_mm256_min_ps(_mm256_castsi256_ps(q_abs), _mm256_set1_ps(kE4M3Max)));
+  const __m256i e = _mm256_subs_epu16(_mm256_srli_epi32(a, 23), _mm256_set1_epi32(121));  // e < 2^16
+  __m256i k = _mm256_set1_epi32((1 << 23) + 8);
+  asm("" : "+x"(k));  // one VPMULLD: GCC would make it two shifts and two adds
+  const __m256i m = _mm256_add_epi32(_mm256_mullo_epi32(e, k), _mm256_set1_epi32(141 << 23));
+  const __m256i sum = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(m)));
+  return _mm256_and_si256(sum, _mm256_set1_epi32(0xff));
+}
+
+// `pf`: the next row, pulled into the cache while this one is encoded (fp8_rows_avx2), or null.
+template <typename S, bool Bounded>
+FSDPN_AVX2 FSDPN_INLINE void fp8_encode_avx2_impl(const S* x, int64_t n, float inv_scale, uint8_t* d, const char* pf) {
   const __m256 inv = _mm256_set1_ps(inv_scale);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m256i c0 = fp8_codes8_avx2(load8_avx2(x + i), inv), c1 = fp8_codes8_avx2(load8_avx2(x + i + 8), inv);
-    const __m256i c2 = fp8_codes8_avx2(load8_avx2(x + i + 16), inv), c3 = fp8_codes8_avx2(load8_avx2(x + i + 24), inv);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), bytes32_avx2(c0, c1, c2, c3));
+    if (pf != nullptr) {
+      for (size_t b = 0; b < 32 * sizeof(S); b += 64) _mm_prefetch(pf + i * static_cast<int64_t>(sizeof(S)) + b, _MM_HINT_T0);
+    }
+    __m256 v[4];
+    __m256i c[4], q[4], qa[4];
+    load32_avx2(x + i, v);
+    for (int k = 0; k < 4; ++k) c[k] = fp8_mag8_avx2<Bounded>(v[k], inv, q[k], qa[k]);
+    const __m256i big = _mm256_max_epi32(_mm256_max_epi32(qa[0], qa[1]), _mm256_max_epi32(qa[2], qa[3]));
+    if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(big, _mm256_set1_epi32(0x7f7fffff))) != 0) {
+      fp8_encode_loop(x + i, 32, inv_scale, d + i);
+      continue;
+    }
+    const __m256i mag = bytes32_avx2<S>(c[0], c[1], c[2], c[3]);
+    const __m256i sign = _mm256_and_si256(bytes32_avx2<S, true>(q[0], q[1], q[2], q[3]), _mm256_set1_epi8(static_cast<char>(0x80)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm256_or_si256(mag, sign));
   }
   fp8_encode_loop(x + i, n - i, inv_scale, d + i);
+}
+
+template <typename S, bool Bounded>
+FSDPN_AVX2 void fp8_encode_avx2(const void* src, int64_t n, float inv_scale, uint8_t* d) {
+  fp8_encode_avx2_impl<S, Bounded>(static_cast<const S*>(src), n, inv_scale, d, nullptr);
+}
+
+// Largest |x| bits, inf and NaN included (an unsigned max of the |x| bits: NaN > inf > finite),
+// as max_abs_loop; bf16 in 16-bit lanes, 2 operations per 16 elements. A value of 0x7f800000 or
+// more says that the finite amax needs its own pass.
+template <typename S>
+FSDPN_AVX2 uint32_t max_abs_avx2(const void* src, int64_t n) {
+  const S* x = static_cast<const S*>(src);
+  constexpr int64_t kStep = 64 / sizeof(S);  // two vectors
+  __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + kStep / 2));
+    if constexpr (std::is_same_v<S, float>) {
+      m0 = _mm256_max_epu32(m0, _mm256_and_si256(a, _mm256_set1_epi32(0x7fffffff)));
+      m1 = _mm256_max_epu32(m1, _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)));
+    } else {
+      m0 = _mm256_max_epu16(m0, _mm256_and_si256(a, _mm256_set1_epi16(0x7fff)));
+      m1 = _mm256_max_epu16(m1, _mm256_and_si256(b, _mm256_set1_epi16(0x7fff)));
+    }
+  }
+  __m256i m = std::is_same_v<S, float> ? _mm256_max_epu32(m0, m1) : _mm256_max_epu16(m0, m1);
+  if constexpr (!std::is_same_v<S, float>) m = _mm256_slli_epi32(_mm256_max_epu16(m, _mm256_srli_epi32(m, 16)), 16);
+  m = _mm256_max_epu32(m, _mm256_permute2x128_si256(m, m, 0x01));
+  m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0x4e));
+  m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0xb1));
+  return std::max(static_cast<uint32_t>(_mm256_cvtsi256_si32(m)), max_abs_loop(x + i, n - i));
+}
+
+// fp8_rowwise over whole rows: each row's amax (the cheap pass over every |x| first, the finite
+// pass only for a row with an inf or NaN), its scale, then its codes by the bounded encode while
+// the next row is pulled into the cache (the amax pass waits on memory, the encode on arithmetic).
+template <typename S>
+FSDPN_AVX2 void fp8_rows_avx2(const void* src, int64_t row, int64_t rows, uint8_t* codes, uint8_t* scales) {
+  const S* s = static_cast<const S*>(src);
+  for (int64_t r = 0; r < rows; ++r) {
+    const S* x = s + r * row;
+    uint32_t amax = max_abs_avx2<S>(x, row);
+    if (amax >= 0x7f800000u) amax = max_finite_abs_loop(x, row);
+    const float scale = fp8_scale(bits_float(amax));
+    std::memcpy(scales + 4 * r, &scale, 4);
+    fp8_encode_avx2_impl<S, true>(x, row, 1.0f / scale, codes + r * row, r + 1 < rows ? reinterpret_cast<const char*>(x + row) : nullptr);
+  }
 }
 
 // NF4 encode: per whole block (a multiple of 32 elements), the largest |x| bits (unsigned max:
@@ -556,13 +640,13 @@ FSDPN_AVX2 FSDPN_INLINE __m256i nf4_amax8_avx2(const S* x, int64_t block) {
 template <typename S>
 FSDPN_AVX2 FSDPN_INLINE void nf4_block_avx2(const S* s, int64_t block, __m256 inv, const Nf4SearchAvx2& mid, uint8_t* c) {
   for (int64_t k = 0; k < block; k += 32) {
-    const __m256i c0 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k), inv), mid);
-    const __m256i c1 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k + 8), inv), mid);
-    const __m256i c2 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k + 16), inv), mid);
-    const __m256i c3 = nf4_codes8_avx2(_mm256_mul_ps(load8_avx2(s + k + 24), inv), mid);
+    __m256 v[4];
+    __m256i code[4];
+    load32_avx2(s + k, v);
+    for (int j = 0; j < 4; ++j) code[j] = nf4_codes8_avx2(_mm256_mul_ps(v[j], inv), mid);
     // Byte pairs (first, second) of the 32 codes as u16 lanes become (first << 4) | second,
     // packed to 16 bytes.
-    const __m256i b8 = bytes32_avx2(c0, c1, c2, c3);
+    const __m256i b8 = bytes32_avx2<S>(code[0], code[1], code[2], code[3]);
     const __m256i pair = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b8, _mm256_set1_epi16(0xff)), 4), _mm256_srli_epi16(b8, 8));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k / 2), _mm256_castsi256_si128(packed));
@@ -1280,7 +1364,7 @@ struct SrcFns {
   // fp8_rowwise over whole rows (src, row, rows, codes, scales), or null
   void (*fp8_rows)(const void*, int64_t, int64_t, uint8_t*, uint8_t*) = nullptr;
   // Largest |x| bits, inf and NaN included, and fp8_encode_bounded for finite x only: both set
-  // (AVX-512 VBMI/BF16 level) or both null (then `finite_amax(..., any_abs)` is the finite amax
+  // (the AVX-512 VBMI/BF16 and AVX2 levels) or both null (then `finite_amax(..., any_abs)` is the finite amax
   // and quantize_task falls back to the encode with the fix-up, so a "finite" flag is harmless)
   uint32_t (*max_abs)(const void*, int64_t) = nullptr;
   void (*fp8_encode_finite)(const void*, int64_t, float, uint8_t*) = nullptr;
@@ -1329,13 +1413,15 @@ SrcFns src_fns(at::ScalarType t) {
       if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_x512<float>, fp8_rows_x512<float>,
                                   max_abs_x512<float>, fp8_encode_x512_fn<float, false, true>};
       if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
-      if (have_avx2()) return {max_finite_abs_float, fp8_encode_avx2<float>, fp8_encode_avx2<float>, nf4_blocks_avx2<float>};
+      if (have_avx2()) return {max_finite_abs_float, fp8_encode_avx2<float, false>, fp8_encode_avx2<float, true>, nf4_blocks_avx2<float>, fp8_rows_avx2<float>,
+                               max_abs_avx2<float>, fp8_encode_avx2<float, true>};
       return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
       if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_x512<bf16_t>, fp8_rows_x512<bf16_t>,
                                   max_abs_x512<bf16_t>, fp8_encode_x512_fn<bf16_t, false, true>};
       if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
-      if (have_avx2()) return {max_finite_abs_bf16_t, fp8_encode_avx2<bf16_t>, fp8_encode_avx2<bf16_t>, nf4_blocks_avx2<bf16_t>};
+      if (have_avx2()) return {max_finite_abs_bf16_t, fp8_encode_avx2<bf16_t, false>, fp8_encode_avx2<bf16_t, true>, nf4_blocks_avx2<bf16_t>, fp8_rows_avx2<bf16_t>,
+                               max_abs_avx2<bf16_t>, fp8_encode_avx2<bf16_t, true>};
       return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
     case at::kFloat: return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
@@ -1560,7 +1646,11 @@ void dequantize_copy_out_cpu(const at::Tensor& gathered, at::IntArrayRef padded_
 
 void quantize_amax_cpu(at::TensorList shards, const at::Tensor& out) {
   const AmaxPlan plan = plan_quantize_amax(shards, out);
-  const std::vector<float> a = finite_amax(plan.params);
+  // The cheaper pass over every |x| first; the finite pass only for a shard with an inf or NaN.
+  std::vector<float> a = finite_amax(plan.params, /*any_abs=*/true);
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) a[i] = finite_amax({plan.params[i]})[0];
+  }
   std::copy(a.begin(), a.end(), plan.out);
 }
 
