@@ -365,10 +365,11 @@ bool have_avx2() {
 
 // store_value<bf16_t>'s bits for 8 non-NaN floats (given as bits), in the low halves of 32-bit
 // lanes: nearest even.
-FSDPN_AVX2 FSDPN_INLINE __m256i bf16_bits8_finite_avx2(__m256i x) {
+FSDPN_AVX2 FSDPN_INLINE __m256i bf16_round_hi_avx2(__m256i x) {  // the bits in the high halves
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd), 16);
+  return _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd);
 }
+FSDPN_AVX2 FSDPN_INLINE __m256i bf16_bits8_finite_avx2(__m256i x) { return _mm256_srli_epi32(bf16_round_hi_avx2(x), 16); }
 
 // The same for any 8 floats: NaN stores 0x7fc0.
 FSDPN_AVX2 FSDPN_INLINE __m256i bf16_bits8_avx2(__m256i x) {
@@ -738,8 +739,9 @@ FSDPN_AVX2 void fp8_decode_avx2_bf16(const uint8_t* codes, int64_t n, float scal
 // VCVTPH2PS widens; times 256 scale (exact while |scale| <= 2^100) that is code * scale with
 // one rounding. bf16 by the integer rounding (subnormal products included: no instruction
 // flushes them). NaN codes (0x7f, 0xff) store the canonical NaN. 32 codes per step, no
-// gathers: 23 -> 13.4 ms into bf16 on the Llama-style layer shard, against the table. Other
-// scales take the table (bf16) or the loop (fp32).
+// gathers: 23 -> 13.4 ms into bf16 on the Llama-style layer shard, against the table; 12.7 ->
+// 9.6 ms with the even and odd elements apart (below). Other scales take the table (bf16) or
+// the loop (fp32).
 #define FSDPN_F16C __attribute__((target("avx2,f16c")))
 
 bool have_avx2_f16c() {
@@ -769,6 +771,30 @@ FSDPN_F16C void fp8_decode_f16c(const uint8_t* c, int64_t n, float scale, void* 
   const __m256 sc = _mm256_set1_ps(scale * 256.0f);
   const __m256i nan_code = _mm256_set1_epi8(static_cast<char>(0xfe));  // 2 code, for 0x7f and 0xff
   int64_t i = 0;
+  if constexpr (!std::is_same_v<D, float>) {
+    // bf16: the even and the odd elements apart, straight from the code bytes read as 16-bit
+    // words (an arithmetic shift right by one puts a word's high byte, sign and magnitude, where
+    // fp16 wants them; the low byte is shifted up first), so that after the rounding one blend
+    // of the even elements' high halves, moved down, with the odd ones' gives 16 bf16 in element
+    // order: two vector shifts per 8 elements fewer than widening the codes in order, and no packs.
+    const __m256i fp16_mask = _mm256_set1_epi16(static_cast<short>(0xbf80));
+    for (; i + 32 <= n; i += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i));
+      const __m256i nan = _mm256_cmpeq_epi8(_mm256_add_epi8(b, b), nan_code);
+      const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(b, 1), fp16_mask);
+      const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 1), fp16_mask);
+      for (int h = 0; h < 2; ++h) {
+        const __m128i eh = h == 0 ? _mm256_castsi256_si128(even) : _mm256_extracti128_si256(even, 1);
+        const __m128i oh = h == 0 ? _mm256_castsi256_si128(odd) : _mm256_extracti128_si256(odd, 1);
+        const __m128i nh = h == 0 ? _mm256_castsi256_si128(nan) : _mm256_extracti128_si256(nan, 1);
+        const __m256i re = bf16_round_hi_avx2(_mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(eh), sc)));
+        const __m256i ro = bf16_round_hi_avx2(_mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(oh), sc)));
+        const __m256i r = _mm256_blend_epi16(_mm256_srli_epi32(re, 16), ro, 0xaa);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i + 16 * h),
+                            _mm256_blendv_epi8(r, _mm256_set1_epi16(0x7fc0), _mm256_cvtepi8_epi16(nh)));
+      }
+    }
+  }
   for (; i + 32 <= n; i += 32) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i));
     const __m256i nan = _mm256_cmpeq_epi8(_mm256_add_epi8(b, b), nan_code);
