@@ -6,7 +6,8 @@ dim 128, hidden 256). For each format:
 
 * quantize_copy_in: this rank's shards -> its encoded chunk (fp8_tensorwise also with the
   amax given, as after an all-reduce of quantize_amax: one pass instead of two);
-* dequantize_copy_out: the gathered chunks of all 8 ranks -> the unsharded bf16 parameters.
+* dequantize_copy_out: the gathered chunks of all 8 ranks -> the unsharded bf16 parameters
+  (and fp32, as with fp32 compute).
 
 Floor: one flat uint8 ``copy_`` that reads and writes as many bytes as the op must (source
 bytes + destination bytes, split evenly between read and write). "% floor" is floor time / op
@@ -86,6 +87,8 @@ def cases(shapes):
         gathered = out.repeat(WORLD_SIZE)
         outs = [torch.empty(f.numel(), dtype=torch.bfloat16) for f in fulls]
         yield f"dequantize {fmt}", (lambda g=gathered, o=outs, f=fmt: Q.dequantize_copy_out(g, padded, rows, WORLD_SIZE, o, format=f)), gathered.numel() + sum(2 * o.numel() for o in outs)
+        outs32 = [torch.empty(f.numel(), dtype=torch.float32) for f in fulls]  # fp32 compute
+        yield f"dequantize {fmt} (fp32 out)", (lambda g=gathered, o=outs32, f=fmt: Q.dequantize_copy_out(g, padded, rows, WORLD_SIZE, o, format=f)), gathered.numel() + sum(4 * o.numel() for o in outs32)
 
 
 def main() -> None:
