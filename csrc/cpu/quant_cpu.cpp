@@ -566,11 +566,10 @@ FSDPN_AVX2 void fp8_rows_avx2(const void* src, int64_t row, int64_t rows, uint8_
 
 // NF4 encode: per whole block (a multiple of 32 elements), the largest |x| bits (unsigned max:
 // inf and NaN included, as max_abs_loop) and nf4_scale as the loop; then per element the
-// count of midpoints below v = x * (1 / scale), found by a binary search over the 15 sorted
-// midpoints (4 compares against the midpoint picked per lane: m7; m3 or m11; one of m1, m5,
-// m9, m13; one of the even ones; each picked by one VPERMPS), which gives the count the 15
-// compares did (each compare is "v > m", so a v equal to a midpoint and a NaN v go low: a NaN
-// v is code 0). Two codes per byte. Other blocks take the loop.
+// count of midpoints below v = x * (1 / scale), found in two steps of three compares (below),
+// which gives the count the 15 compares did (each compare is "v > m", so a v equal to a
+// midpoint and a NaN v go low: a NaN v is code 0). Two codes per byte. Other blocks take the
+// loop.
 struct Nf4Mids {
   float v[15];
   Nf4Mids() {
@@ -579,31 +578,31 @@ struct Nf4Mids {
 };
 const Nf4Mids kNf4Mids;
 
-// The search's thresholds are picked by VPERMPS, whose index is the low 3 bits of each lane: a
-// compare's mask (all ones: 7) is an index by itself, and a shift and an XOR fold the next
-// compare in, so the three indices take 2 operations each where blends took 5. Lane i of `l2`,
-// `l3`, `l4` and `j2` holds the entry for the compares seen so far that give index i.
+// The search in two steps of three independent compares, so that the chain from v to its code
+// is short (on Zen 3 the deeper binary search was bound by its latency, not by its operations):
+// the count c1 of v > m3, m7, m11 picks a group of 4 codes, and the count c2 of v > the group's
+// lower 3 midpoints (m[4 c1 + k], k < 3, looked up in-lane by VPERMILPS) the code in it,
+// 4 c1 + c2. The sum of the three masks of a step is minus its count, whose low 2 bits index
+// the tables directly (count 0, 1, 2, 3 -> 0, 3, 2, 1); the result is minus the code.
 struct Nf4SearchAvx2 {
-  __m256 m7, l2, l3, l4;
-  __m256i j2;  // 2 j, j = 4 [v > m7] + 2 [v > m3 or m11] + [v > m1, m5, m9 or m13]
+  __m256 m3, m7, m11, t[3];
+  __m256i base;  // -4 c1
   FSDPN_AVX2 explicit Nf4SearchAvx2(const float* m) {
-    m7 = _mm256_set1_ps(m[7]);
-    l2 = _mm256_setr_ps(m[3], 0, 0, 0, 0, 0, 0, m[11]);
-    l3 = _mm256_setr_ps(m[1], 0, 0, m[5], m[13], 0, 0, m[9]);
-    // index i -> j: 0 -> 0, 1 -> 1, 3 -> 2, 2 -> 3, 7 -> 4, 6 -> 5, 4 -> 6, 5 -> 7
-    l4 = _mm256_setr_ps(m[0], m[2], m[6], m[4], m[12], m[14], m[10], m[8]);
-    j2 = _mm256_setr_epi32(0, 2, 6, 4, 12, 14, 10, 8);
+    m3 = _mm256_set1_ps(m[3]), m7 = _mm256_set1_ps(m[7]), m11 = _mm256_set1_ps(m[11]);
+    for (int k = 0; k < 3; ++k) t[k] = _mm256_setr_ps(m[k], m[12 + k], m[8 + k], m[4 + k], m[k], m[12 + k], m[8 + k], m[4 + k]);
+    base = _mm256_setr_epi32(0, -12, -8, -4, 0, -12, -8, -4);
   }
 };
 
-FSDPN_AVX2 FSDPN_INLINE __m256i nf4_codes8_avx2(__m256 v, const Nf4SearchAvx2& t) {
-  const __m256i c8 = _mm256_castps_si256(_mm256_cmp_ps(v, t.m7, _CMP_GT_OQ));  // index 0 or 7
-  const __m256 c4 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(t.l2, c8), _CMP_GT_OQ);
-  const __m256i i2 = _mm256_xor_si256(c8, _mm256_srli_epi32(_mm256_castps_si256(c4), 30));  // 0, 3, 7 or 4
-  const __m256 c2 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(t.l3, i2), _CMP_GT_OQ);
-  const __m256i i3 = _mm256_xor_si256(i2, _mm256_srli_epi32(_mm256_castps_si256(c2), 31));
-  const __m256 c1 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(t.l4, i3), _CMP_GT_OQ);  // against m[2 j]
-  return _mm256_sub_epi32(_mm256_permutevar8x32_epi32(t.j2, i3), _mm256_castps_si256(c1));
+FSDPN_AVX2 FSDPN_INLINE __m256i nf4_neg_codes8_avx2(__m256 v, const Nf4SearchAvx2& t) {
+  const __m256i s1 = _mm256_add_epi32(
+      _mm256_add_epi32(_mm256_castps_si256(_mm256_cmp_ps(v, t.m3, _CMP_GT_OQ)), _mm256_castps_si256(_mm256_cmp_ps(v, t.m7, _CMP_GT_OQ))),
+      _mm256_castps_si256(_mm256_cmp_ps(v, t.m11, _CMP_GT_OQ)));
+  const __m256i a = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar_ps(t.t[0], s1), _CMP_GT_OQ));
+  const __m256i b = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar_ps(t.t[1], s1), _CMP_GT_OQ));
+  const __m256i c = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar_ps(t.t[2], s1), _CMP_GT_OQ));
+  const __m256i base = _mm256_castps_si256(_mm256_permutevar_ps(_mm256_castsi256_ps(t.base), s1));
+  return _mm256_add_epi32(_mm256_add_epi32(base, a), _mm256_add_epi32(b, c));
 }
 
 // The largest |x| bits of 8 whole blocks (lane j: block j), as nf4_blocks_loop's max_abs_loop
@@ -644,11 +643,12 @@ FSDPN_AVX2 FSDPN_INLINE void nf4_block_avx2(const S* s, int64_t block, __m256 in
     __m256 v[4];
     __m256i code[4];
     load32_avx2(s + k, v);
-    for (int j = 0; j < 4; ++j) code[j] = nf4_codes8_avx2(_mm256_mul_ps(v[j], inv), mid);
-    // Byte pairs (first, second) of the 32 codes as u16 lanes become (first << 4) | second,
-    // packed to 16 bytes.
-    const __m256i b8 = bytes32_avx2<S>(code[0], code[1], code[2], code[3]);
-    const __m256i pair = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b8, _mm256_set1_epi16(0xff)), 4), _mm256_srli_epi16(b8, 8));
+    for (int j = 0; j < 4; ++j) code[j] = nf4_neg_codes8_avx2(_mm256_mul_ps(v[j], inv), mid);
+    // Byte pairs (first, second) of the 32 negated codes as u16 lanes become 16 first + second
+    // (one multiply-add of the bytes, the codes as its signed operand, then a negation; no
+    // shifts), packed to 16 bytes.
+    const __m256i b8 = bytes32_avx2<S, true>(code[0], code[1], code[2], code[3]);
+    const __m256i pair = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_maddubs_epi16(_mm256_set1_epi16(0x0110), b8));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k / 2), _mm256_castsi256_si128(packed));
   }
