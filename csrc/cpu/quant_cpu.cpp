@@ -475,8 +475,9 @@ FSDPN_AVX2 FSDPN_INLINE __m256i bytes32_avx2(__m256i c0, __m256i c1, __m256i c2,
 // rounds to 448 at most) needs no clamp. The magnitudes and the signs of q (the signed packs
 // keep a sign) are packed to bytes and merged 32 at a time. 32 elements with an inf or NaN q
 // (a non-finite x, or an overflow of x / scale) take the loop, which knows the two apart.
-// 9 operations per 8 elements and 12 per 32, where the encode took 23 and then 20; this
-// CPU's vector shifts are few (one per 8), since they share two pipes with the packs.
+// 8-9 operations per 8 elements and 15 per 32, where the integer steps took 23 per 8 and the
+// first adder version 17 plus a pack; one vector shift per 8, since on Zen 3 the shifts share
+// two pipes with the packs and permutes.
 template <bool Bounded>
 FSDPN_AVX2 FSDPN_INLINE __m256i fp8_mag8_avx2(__m256 x, __m256 inv, __m256i& qb, __m256i& q_abs) {
   qb = _mm256_castps_si256(_mm256_mul_ps(x, inv));
