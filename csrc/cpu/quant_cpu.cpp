@@ -446,16 +446,6 @@ FSDPN_AVX2 FSDPN_INLINE void load32_avx2(const S* p, __m256 v[4]) {
   }
 }
 
-template <typename S>
-FSDPN_AVX2 FSDPN_INLINE __m256 load8_avx2(const S* p) {
-  if constexpr (std::is_same_v<S, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
 // The 32 int32 lanes of load32_avx2's 4 vectors as 32 bytes in element order, by the signed
 // 32 -> 16 pack and the 16 -> 8 pack `Pack8` (signed or unsigned saturation), which interleave
 // the 128-bit lanes, and one permute that undoes it (the bf16 order needs 64-bit moves only).
@@ -681,7 +671,6 @@ FSDPN_AVX2 void nf4_blocks_avx2(const void* src, int64_t n, int64_t len, int64_t
     for (int j = 0; j < 8; ++j)
       nf4_block_avx2(s + j * block, block, _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(j)), mid, codes + (b + j) * block / 2);
   }
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   for (; b < n_blocks; ++b) {
     const int64_t lo = b * block;
     if (block % 32 != 0 || lo + block > n) {  // a short or partial block: the loop
@@ -689,12 +678,7 @@ FSDPN_AVX2 void nf4_blocks_avx2(const void* src, int64_t n, int64_t len, int64_t
       continue;
     }
     const S* s = x + lo;
-    __m256i m = _mm256_setzero_si256();
-    for (int64_t k = 0; k < block; k += 8) m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(load8_avx2(s + k)), abs_mask));
-    m = _mm256_max_epu32(m, _mm256_permute2x128_si256(m, m, 0x01));
-    m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0x4e));
-    m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0xb1));
-    const float scale = nf4_scale(static_cast<uint32_t>(_mm256_cvtsi256_si32(m)));
+    const float scale = nf4_scale(max_abs_avx2<S>(s, block));
     std::memcpy(scales + 4 * b, &scale, 4);
     nf4_block_avx2(s, block, _mm256_set1_ps(1.0f / scale), mid, codes + lo / 2);
   }
