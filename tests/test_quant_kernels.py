@@ -265,10 +265,10 @@ def test_rowwise_finite_and_non_finite_rows_in_one_call(src):
 def test_nf4_runs_of_blocks_with_special_blocks(src, block_size):
     """NF4 takes whole blocks 16 at a time with AVX-512 and 8 at a time with AVX2 (their
     amaxes, scales and inverse scales as vectors) where the run fits in the cache, one at a
-    time otherwise and for the rest. Every block's
-    amax is different and sits at a different position; blocks with a NaN, an inf, all zeros,
-    a subnormal amax or the largest finite value are spread over the runs; the source starts at
-    an odd element and ends in a partial block inside the padded range."""
+    time otherwise and for the rest. Every block's amax is different and sits at a different
+    position; blocks with a NaN, an inf, all zeros, a subnormal amax or the largest finite value
+    are spread over the runs; the source starts at an odd element and ends in a partial block
+    inside the padded range."""
     gen = torch.Generator().manual_seed(block_size)
     n_blocks = 37
     x = torch.rand(n_blocks, block_size, generator=gen) - 0.5  # below every block's amax

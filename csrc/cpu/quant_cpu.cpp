@@ -447,7 +447,7 @@ FSDPN_AVX2 FSDPN_INLINE void load32_avx2(const S* p, __m256 v[4]) {
 }
 
 // The 32 int32 lanes of load32_avx2's 4 vectors as 32 bytes in element order, by the signed
-// 32 -> 16 pack and the 16 -> 8 pack `Pack8` (signed or unsigned saturation), which interleave
+// 32 -> 16 pack and the 16 -> 8 pack (signed saturation if `Signed`, else unsigned), which interleave
 // the 128-bit lanes, and one permute that undoes it (the bf16 order needs 64-bit moves only).
 template <typename S, bool Signed = false>
 FSDPN_AVX2 FSDPN_INLINE __m256i bytes32_avx2(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
@@ -512,15 +512,15 @@ FSDPN_AVX2 void fp8_encode_avx2(const void* src, int64_t n, float inv_scale, uin
 }
 
 // Largest |x| bits, inf and NaN included (an unsigned max of the |x| bits: NaN > inf > finite),
-// as max_abs_loop; bf16 in 16-bit lanes, 2 operations per 16 elements. A value of 0x7f800000 or
-// more says that the finite amax needs its own pass.
+// as max_abs_loop, lane-wise over x[0, n - n % kStep) (two vectors at a time): 8 lanes of float
+// bits. bf16 in 16-bit lanes, 2 operations per 16 elements, the pairs of lanes folded at the end.
 template <typename S>
-FSDPN_AVX2 uint32_t max_abs_avx2(const void* src, int64_t n) {
-  const S* x = static_cast<const S*>(src);
-  constexpr int64_t kStep = 64 / sizeof(S);  // two vectors
+constexpr int64_t kMaxAbsStepAvx2 = 64 / sizeof(S);
+template <typename S>
+FSDPN_AVX2 FSDPN_INLINE __m256i max_abs_lanes_avx2(const S* x, int64_t n) {
+  constexpr int64_t kStep = kMaxAbsStepAvx2<S>;
   __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
-  int64_t i = 0;
-  for (; i + kStep <= n; i += kStep) {
+  for (int64_t i = 0; i + kStep <= n; i += kStep) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + kStep / 2));
     if constexpr (std::is_same_v<S, float>) {
@@ -531,8 +531,18 @@ FSDPN_AVX2 uint32_t max_abs_avx2(const void* src, int64_t n) {
       m1 = _mm256_max_epu16(m1, _mm256_and_si256(b, _mm256_set1_epi16(0x7fff)));
     }
   }
-  __m256i m = std::is_same_v<S, float> ? _mm256_max_epu32(m0, m1) : _mm256_max_epu16(m0, m1);
-  if constexpr (!std::is_same_v<S, float>) m = _mm256_slli_epi32(_mm256_max_epu16(m, _mm256_srli_epi32(m, 16)), 16);
+  if constexpr (std::is_same_v<S, float>) return _mm256_max_epu32(m0, m1);
+  const __m256i m = _mm256_max_epu16(m0, m1);
+  return _mm256_slli_epi32(_mm256_max_epu16(m, _mm256_srli_epi32(m, 16)), 16);  // the bf16 bits as float bits
+}
+
+// The same over all of x[0, n), folded to one value. A value of 0x7f800000 or more says that
+// the finite amax needs its own pass.
+template <typename S>
+FSDPN_AVX2 uint32_t max_abs_avx2(const void* src, int64_t n) {
+  const S* x = static_cast<const S*>(src);
+  const int64_t i = n - n % kMaxAbsStepAvx2<S>;
+  __m256i m = max_abs_lanes_avx2(x, i);
   m = _mm256_max_epu32(m, _mm256_permute2x128_si256(m, m, 0x01));
   m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0x4e));
   m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0xb1));
@@ -596,26 +606,15 @@ FSDPN_AVX2 FSDPN_INLINE __m256i nf4_neg_codes8_avx2(__m256 v, const Nf4SearchAvx
   return _mm256_add_epi32(_mm256_add_epi32(base, a), _mm256_add_epi32(b, c));
 }
 
-// The largest |x| bits of 8 whole blocks (lane j: block j), as nf4_blocks_loop's max_abs_loop
-// (unsigned max: inf and NaN included). bf16 blocks are maxed in 16-bit lanes, 16 elements per
-// vector. Then the 8 registers are folded together by halves, so that the blocks' maxima land in
-// one register: 21 operations per 8 blocks, where 8 horizontal maxima took 48 and a scalar chain.
+// The largest |x| bits of 8 whole blocks (lane j: block j; a block is a multiple of 32
+// elements), as nf4_blocks_loop's max_abs_loop (unsigned max: inf and NaN included): each
+// block's lanes by max_abs_lanes_avx2, then the 8 registers folded together by halves, so that
+// the blocks' maxima land in one register: 21 operations per 8 blocks, where 8 horizontal maxima
+// took 48 and a scalar chain.
 template <typename S>
 FSDPN_AVX2 FSDPN_INLINE __m256i nf4_amax8_avx2(const S* x, int64_t block) {
   __m256i m[8];
-  for (int j = 0; j < 8; ++j) {
-    const S* s = x + j * block;
-    __m256i a = _mm256_setzero_si256();
-    if constexpr (std::is_same_v<S, float>) {
-      for (int64_t k = 0; k < block; k += 8)
-        a = _mm256_max_epu32(a, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + k)), _mm256_set1_epi32(0x7fffffff)));
-    } else {
-      for (int64_t k = 0; k < block; k += 16)
-        a = _mm256_max_epu16(a, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + k)), _mm256_set1_epi16(0x7fff)));
-      a = _mm256_slli_epi32(_mm256_max_epu16(a, _mm256_srli_epi32(a, 16)), 16);  // the bf16 bits as float bits
-    }
-    m[j] = a;
-  }
+  for (int j = 0; j < 8; ++j) m[j] = max_abs_lanes_avx2(x + j * block, block);
   // Pairs of blocks: lanes (A0, B0, A1, B1) per 128 bits, A0 = max(a0, a2), A1 = max(a1, a3).
   __m256i p[4];
   for (int j = 0; j < 4; ++j)
@@ -1375,8 +1374,9 @@ struct SrcFns {
   // fp8_rowwise over whole rows (src, row, rows, codes, scales), or null
   void (*fp8_rows)(const void*, int64_t, int64_t, uint8_t*, uint8_t*) = nullptr;
   // Largest |x| bits, inf and NaN included, and fp8_encode_bounded for finite x only: both set
-  // (the AVX-512 VBMI/BF16 and AVX2 levels) or both null (then `finite_amax(..., any_abs)` is the finite amax
-  // and quantize_task falls back to the encode with the fix-up, so a "finite" flag is harmless)
+  // (the AVX-512 VBMI/BF16 and AVX2 levels) or both null (then `abs_max_pass(..., any_abs)` is the
+  // finite amax and quantize_task falls back to the encode with the fix-up, so a "finite" flag is
+  // harmless)
   uint32_t (*max_abs)(const void*, int64_t) = nullptr;
   void (*fp8_encode_finite)(const void*, int64_t, float, uint8_t*) = nullptr;
 };
@@ -1501,9 +1501,9 @@ const char* elem_ptr(const QuantParam& p, int64_t i) {
   return static_cast<const char*>(p.data) + i * static_cast<int64_t>(c10::elementSize(p.dtype));
 }
 
-// amax over the finite values of each parameter, as float bits, in one parallel pass; with
-// `any_abs`, the largest |x| over all values (inf and NaN included) where the kernels have it.
-std::vector<float> finite_amax(const std::vector<QuantParam>& params, bool any_abs = false) {
+// The largest |x| of each parameter, as float bits, in one parallel pass: over the finite values,
+// or with `any_abs` over all values (inf and NaN included) where the kernels have that pass.
+std::vector<float> abs_max_pass(const std::vector<QuantParam>& params, bool any_abs) {
   std::vector<Task> tasks;
   for (size_t i = 0; i < params.size(); ++i) add_tasks(tasks, i, 0, params[i].numel, 64);
   std::vector<uint32_t> partial(tasks.size(), 0);
@@ -1518,6 +1518,20 @@ std::vector<float> finite_amax(const std::vector<QuantParam>& params, bool any_a
   std::vector<float> out(params.size());
   for (size_t i = 0; i < params.size(); ++i) out[i] = bits_float(bits[i]);
   return out;
+}
+
+// amax over the finite values of each parameter. The cheaper pass over every |x| runs first:
+// below inf, the parameter is finite (the common case); only the others get the finite pass.
+// `finite` (optional): per parameter, whether that first pass found it finite.
+std::vector<float> finite_amax(const std::vector<QuantParam>& params, std::vector<char>* finite = nullptr) {
+  std::vector<float> a = abs_max_pass(params, /*any_abs=*/true);
+  if (finite != nullptr) finite->assign(a.size(), 1);
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isfinite(a[i])) continue;
+    if (finite != nullptr) (*finite)[i] = 0;
+    a[i] = abs_max_pass({params[i]}, /*any_abs=*/false)[0];
+  }
+  return a;
 }
 
 void zero_gaps(uint8_t* seg, const SegmentLayout& l) {
@@ -1578,17 +1592,14 @@ void quantize_copy_in_cpu(at::TensorList shards, at::IntArrayRef padded_numels,
     for (size_t i = 0; i < plan.params.size(); ++i) {
       const QuantParam& p = plan.params[i];
       if (p.layout.nbytes == 0) continue;
-      // The cheaper pass over every |x| first: below inf, the shard is finite (the common
-      // case) and its encode needs no non-finite fix-up; else the finite amax pass.
-      float amax = finite_amax({p}, /*any_abs=*/true)[0];
-      const bool finite = std::isfinite(amax);
-      if (!finite) amax = finite_amax({p})[0];
-      const float scale = fp8_scale(amax);
+      // A finite shard (the common case) needs no non-finite fix-up in its encode.
+      std::vector<char> finite;
+      const float scale = fp8_scale(finite_amax({p}, &finite)[0]);
       std::memcpy(plan.out + p.offset + p.layout.scale_offset, &scale, 4);
       zero_gaps(plan.out + p.offset, p.layout);
       std::vector<Task> tasks;
       add_tasks(tasks, i, 0, p.padded, task_unit(plan.fmt, p, plan.block));
-      run_tasks(tasks, [&](const Task& k) { quantize_task(plan, k, finite); });
+      run_tasks(tasks, [&](const Task& k) { quantize_task(plan, k, finite[0] != 0); });
     }
     return;
   }
@@ -1657,11 +1668,7 @@ void dequantize_copy_out_cpu(const at::Tensor& gathered, at::IntArrayRef padded_
 
 void quantize_amax_cpu(at::TensorList shards, const at::Tensor& out) {
   const AmaxPlan plan = plan_quantize_amax(shards, out);
-  // The cheaper pass over every |x| first; the finite pass only for a shard with an inf or NaN.
-  std::vector<float> a = finite_amax(plan.params, /*any_abs=*/true);
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) a[i] = finite_amax({plan.params[i]})[0];
-  }
+  const std::vector<float> a = finite_amax(plan.params);
   std::copy(a.begin(), a.end(), plan.out);
 }
 
