@@ -64,7 +64,6 @@ if _ROOT not in sys.path:
 from benchmarks import harness as H  # noqa: E402
 from benchmarks.models import MODEL_CONFIGS, Llama, LlamaConfig, ResidualMLP, init_weights, shard_model  # noqa: E402
 
-IMPLS = ["torch", "fsdp_native"]
 WORLD_SIZE = 8
 RANK = 3  # the rank whose shards the packing ops move
 
@@ -83,13 +82,57 @@ class TrainConfig:
     measured: int  # steps per implementation
     block: int  # steps per alternation block
     memory_steps: int
+    # "plain"; "float8": torchao Float8 training with the float8 all-gather (every block Linear,
+    # the output layer left in bf16) and precompute_float8_dynamic_scale_for_fsdp after each
+    # optimizer step; "nf4-qlora": every block Linear's weight frozen as a torchao NF4Tensor with
+    # a rank-16 fp32 LoRA adapter beside it, everything else frozen (torchtune's QLoRA)
+    variant: str = "plain"
+    impls: tuple[str, str] = ("torch", "fsdp_native")  # the ratio is impls[1] / impls[0]
 
 
 CONFIGS = {
     "overhead-fp32": TrainConfig("overhead-fp32", "overhead", "fp32", 5, 40, 5, 3),
     "overhead-bf16": TrainConfig("overhead-bf16", "overhead", "bf16", 5, 40, 5, 3),
     "llama8b-bf16": TrainConfig("llama8b-bf16", "llama", "bf16", 2, 12, 2, 3),
+    "llama8b-float8": TrainConfig("llama8b-float8", "llama", "bf16", 2, 12, 2, 3, variant="float8"),
+    "llama8b-nf4-qlora": TrainConfig("llama8b-nf4-qlora", "llama", "bf16", 2, 12, 2, 3, variant="nf4-qlora"),
+    # fsdp_native's own fp8 all-gather (bf16 compute) against its bf16 all-gather: with the fake
+    # process group the bytes saved cost nothing here, so this is the quantization's own cost
+    "llama8b-own-fp8": TrainConfig("llama8b-own-fp8", "llama", "bf16", 2, 12, 2, 3, impls=("fsdp_native", "fsdp_native:fp8_rowwise")),
 }
+LORA_RANK = 16
+
+
+class NF4LoRALinear(torch.nn.Module):
+    """A frozen NF4 weight (torchao ``to_nf4``) plus a trainable fp32 low-rank adapter."""
+
+    def __init__(self, linear: torch.nn.Linear, block_size: int, scaler_block_size: int, rank: int = LORA_RANK):
+        super().__init__()
+        from torchao.quantization import to_nf4
+
+        w = linear.weight.detach().to(torch.bfloat16)
+        self.weight = torch.nn.Parameter(to_nf4(w, block_size=block_size, scaler_block_size=scaler_block_size), requires_grad=False)
+        self.lora_a = torch.nn.Linear(w.shape[1], rank, bias=False, device=w.device)
+        self.lora_b = torch.nn.Linear(rank, w.shape[0], bias=False, device=w.device)
+        torch.nn.init.normal_(self.lora_b.weight, std=1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x.to(torch.bfloat16), self.weight).to(x.dtype) + self.lora_b(self.lora_a(x))
+
+
+def _to_nf4_qlora(model: torch.nn.Module, smoke: bool) -> None:
+    # torchtune's block sizes; the smoke model's shards are too small for them (torchao wants
+    # every shard to hold whole scaler blocks)
+    sizes = (16, 4) if smoke else (64, 256)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.blocks:
+        for parent in [block, block.attention]:
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, NF4LoRALinear(child, *sizes))
 
 
 @dataclass
@@ -121,18 +164,32 @@ class Run:
         im = H.load_impl(impl)
         self.env, self.tc, self.impl = env, tc, impl
         mp = H.mixed_precision(im, tc.precision)
-        with torch.device("meta"):
+        # NF4 weights are made from real ones: that model is built on the device, converted and
+        # then sharded; the others on the meta device, sharded, then materialized
+        with torch.device(env.device if tc.variant == "nf4-qlora" else "meta"):
             if tc.model == "llama":
                 self.mcfg = LLAMA_SMOKE if env.smoke else LLAMA
                 model = Llama(self.mcfg)
             else:
                 self.mcfg = OVERHEAD_SMOKE if env.smoke else OVERHEAD
                 model = ResidualMLP(self.mcfg.dim, self.mcfg.hidden, self.mcfg.n_blocks)
-        shard_model(model, im.fully_shard, mp, mesh=mesh)
-        model.to_empty(device=env.device)
-        init_weights(model, H.SEED)
+        self.float8 = tc.variant == "float8"
+        if self.float8:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+            convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "output")
+        if tc.variant == "nf4-qlora":
+            init_weights(model, H.SEED)
+            model.to(torch.bfloat16)
+            _to_nf4_qlora(model, env.smoke)
+            shard_model(model, im.fully_shard, mp, mesh=mesh)
+        else:
+            shard_model(model, im.fully_shard, mp, mesh=mesh)
+            model.to_empty(device=env.device)
+            init_weights(model, H.SEED)
         self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=H.LR)
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=H.LR)
         self.steps = 0
         self.bwd_start: list[int | None] = []  # memory_allocated at each block's backward, this step
         for i, block in enumerate(model.blocks):
@@ -167,6 +224,10 @@ class Run:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.float8:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
         self.steps += 1
 
 
@@ -212,7 +273,7 @@ def memory_run(impl: str, tc: TrainConfig, env: Env, mesh) -> dict:
 
 
 def timing(tc: TrainConfig, env: Env, mesh, steps_override: int | None) -> dict:
-    runs = [Run(impl, tc, env, mesh) for impl in IMPLS]
+    runs = [Run(impl, tc, env, mesh) for impl in tc.impls]
     warmup = 1 if env.smoke else tc.warmup
     measured = steps_override or (2 if env.smoke else tc.measured)
     block = min(tc.block, measured)
@@ -231,7 +292,8 @@ def timing(tc: TrainConfig, env: Env, mesh, steps_override: int | None) -> dict:
     del runs
     _collect(env)
     med = {impl: statistics.median(ts) for impl, ts in times.items()}
-    return {"times": times, "median_ms": {k: 1e3 * v for k, v in med.items()}, "ratio": med["fsdp_native"] / med["torch"]}
+    a, b = tc.impls
+    return {"impls": list(tc.impls), "times": times, "median_ms": {k: 1e3 * v for k, v in med.items()}, "ratio": med[b] / med[a]}
 
 
 def train_config(tc: TrainConfig, env: Env, mesh, args) -> dict:
@@ -242,7 +304,7 @@ def train_config(tc: TrainConfig, env: Env, mesh, args) -> dict:
         res["errors"]["timing"] = traceback.format_exc()
         _collect(env)
     res["memory"] = {}
-    for impl in IMPLS:
+    for impl in tc.impls:
         try:
             res["memory"][impl] = memory_run(impl, tc, env, mesh)
         except Exception:
@@ -340,6 +402,52 @@ def op_cases(work: str, shapes: list[tuple[int, ...]], device) -> list[OpCase]:
     return cases
 
 
+def quant_op_cases(work: str, shapes: list[tuple[int, ...]], device) -> list[OpCase]:
+    """fsdp_native's quantized all-gather kernels (Triton on CUDA, C++ on CPU) on rank RANK's bf16
+    shards of ``shapes`` over WORLD_SIZE ranks: quantize into the rank's chunk, and dequantize
+    the gathered chunks of every rank into bf16 parameters. Floor: one flat uint8 copy that
+    reads and writes as many bytes as the op (source plus destination bytes, split evenly), as
+    benchmarks/bench_quant.py does on CPU."""
+    from fsdp_native import quant as Q
+
+    ws = WORLD_SIZE
+    padded = [ops_padded(s) for s in shapes]
+    rows = [_numel(s[1:]) for s in shapes]
+    shards = [(torch.randn(_numel(_rows(s, RANK, ws)), device=device) * 0.02).to(torch.bfloat16) for s in shapes]
+    src_bytes = sum(2 * t.numel() for t in shards)
+    cases = []
+
+    def floor_of(nbytes):
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+
+    def add(name, fn, nbytes):
+        cases.append(OpCase(name, work, fn, floor_of(nbytes), nbytes, nbytes // 2 * 2))
+
+    for fmt in Q.FORMATS:
+        out = torch.empty(Q.unit_layout(padded, rows, fmt).rank_nbytes, dtype=torch.uint8, device=device)
+        add(f"quantize {fmt}", lambda o=out, f=fmt: Q.quantize_copy_in(shards, padded, rows, o, format=f), src_bytes + out.numel())
+        if fmt == Q.FP8_TENSORWISE:
+            amax = torch.empty(len(shards), device=device)
+            Q.quantize_amax(shards, amax)
+            add("quantize fp8_tensorwise, amax given",
+                lambda o=out: Q.quantize_copy_in(shards, padded, rows, o, format=Q.FP8_TENSORWISE, amax=amax), src_bytes + out.numel())
+            add("quantize_amax", lambda: Q.quantize_amax(shards, amax), src_bytes)
+        Q.quantize_copy_in(shards, padded, rows, out, format=fmt)
+        gathered = out.repeat(ws)
+        outs = [torch.empty(_numel(s), dtype=torch.bfloat16, device=device) for s in shapes]
+        add(f"dequantize {fmt}", lambda g=gathered, o=outs, f=fmt: Q.dequantize_copy_out(g, padded, rows, ws, o, format=f),
+            gathered.numel() + sum(2 * o.numel() for o in outs))
+    return cases
+
+
+def ops_padded(shape) -> int:
+    from fsdp_native import ops
+
+    return ops.padded_shard_numel(shape, WORLD_SIZE)
+
+
 def time_op_case(c: OpCase, env: Env, iters: int, reps: int) -> dict:
     res: dict = {"op": c.name, "work": c.work, "bytes": c.nbytes}
     if env.cuda:
@@ -367,7 +475,7 @@ def ops_section(env: Env, args) -> dict:
     out = {"rows": [], "errors": {}}
     for work, shapes in works.items():
         try:
-            for c in op_cases(work, shapes, env.device):
+            for c in op_cases(work, shapes, env.device) + quant_op_cases(work, shapes, env.device):
                 small = "overhead" in work
                 reps = args.op_reps * (10 if small else 1)
                 out["rows"].append(time_op_case(c, env, 3 if env.smoke else args.op_iters, 1 if env.smoke else reps))
@@ -391,19 +499,19 @@ def _mib(b) -> str:
 
 def format_report(result: dict) -> str:
     lines = [f"Machine: {H.describe_machine(result['machine'])}; fake process group, world size {WORLD_SIZE}."]
-    lines += ["", "| config | torch ms/step | fsdp_native ms/step | ratio fsdp_native/torch |", "|---|---|---|---|"]
+    lines += ["", "| config | A | A ms/step | B | B ms/step | ratio B/A |", "|---|---|---|---|---|---|"]
     for r in result["train"]:
-        t = r.get("timing")
+        t, (ia, ib) = r.get("timing"), CONFIGS[r["config"]].impls
         if t:
             m = t["median_ms"]
-            lines.append(f"| {r['config']} | {m['torch']:.2f} | {m['fsdp_native']:.2f} | **{t['ratio']:.2f}** |")
+            lines.append(f"| {r['config']} | {ia} | {m[ia]:.2f} | {ib} | {m[ib]:.2f} | **{t['ratio']:.2f}** |")
         else:
-            lines.append(f"| {r['config']} | error | error | - |")
-    lines += ["", "Memory, MiB over each run's start (torch / fsdp_native):", "",
+            lines.append(f"| {r['config']} | {ia} | error | {ib} | error | - |")
+    lines += ["", "Memory, MiB over each run's start (A / B):", "",
               "| config | step peak | between steps | block backward start (first, last block) |", "|---|---|---|---|"]
     for r in result["train"]:
-        mem = r.get("memory", {})
-        a, b = mem.get("torch", {}), mem.get("fsdp_native", {})
+        mem, (ia, ib) = r.get("memory", {}), CONFIGS[r["config"]].impls
+        a, b = mem.get(ia, {}), mem.get(ib, {})
 
         def pair(key, pick=None):
             va, vb = a.get(key), b.get(key)
@@ -425,6 +533,29 @@ def format_report(result: dict) -> str:
         lines += ["", f"{len(errors)} part(s) failed:"]
         lines += [f"--- {c} {k}:\n{v}" for c, k, v in errors]
     return "\n".join(lines)
+
+
+def _dump(result: dict, path: str | None) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def _brief(r: dict) -> str:
+    """One line of a training config's result, for the log as the run goes."""
+    (ia, ib), parts = CONFIGS[r["config"]].impls, []
+    t = r.get("timing")
+    if t:
+        parts.append(f"{ia} {t['median_ms'][ia]:.2f} ms, {ib} {t['median_ms'][ib]:.2f} ms, ratio {t['ratio']:.3f}")
+    mem = r.get("memory", {})
+    for impl in (ia, ib):
+        peak = mem.get(impl, {}).get("step_peak")
+        if peak is not None:
+            parts.append(f"{impl} peak {peak / 2**20:.0f} MiB")
+    if r["errors"]:
+        parts.append(f"errors in {sorted(r['errors'])}")
+    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs:
             t0 = time.time()
             result["train"].append(train_config(CONFIGS[name], env, mesh, args))
-            print(f"  [{name}] {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+            print(f"  [{name}] {time.time() - t0:.0f}s: {_brief(result['train'][-1])}", file=sys.stderr, flush=True)
+            _dump(result, args.json)  # what is done so far survives a run cut short
     if not args.no_ops:
         t0 = time.time()
         result["ops"] = ops_section(env, args)
@@ -466,10 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = time.time() - t_start
     dist.destroy_process_group()
     print(format_report(result))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    _dump(result, args.json)
     failed = any(r["errors"] for r in result["train"]) or bool(result["ops"]["errors"])
     return 1 if failed else 0
 

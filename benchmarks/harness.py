@@ -320,15 +320,23 @@ def time_cuda(fn: Callable[[], Any], iters: int, warmup: int = 1, reps: int = 1,
 
     With ``queue_ahead`` a long sleep kernel is queued first, so the host has queued all
     ``reps`` calls before the device starts them: the time is then the device's alone,
-    without the host's launch overhead (for ops too short to hide it)."""
+    without the host's launch overhead (for ops too short to hide it). The sleep lasts about
+    twice what queueing ``reps`` calls took the host once (at least ~1 ms)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    sleep_cycles = 2_000_000  # ~1 ms at ~2 GHz
+    if queue_ahead:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sleep_cycles = max(sleep_cycles, int((time.perf_counter() - t0) * 4e9))  # 2x, at ~2 GHz
+        torch.cuda.synchronize()
     out = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if queue_ahead:
-            torch.cuda._sleep(2_000_000)  # ~1 ms at ~2 GHz: more than the host needs to queue
+            torch.cuda._sleep(sleep_cycles)
         start.record()
         for _ in range(reps):
             fn()

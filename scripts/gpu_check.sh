@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks of fsdp_native in one command, on a machine with a GPU (../shared/GPU.md):
 # builds the extension in place against the machine's torch (no .venv there), then runs
+#   quant  : the Triton quantized all-gather kernels compiled for the GPU, bit for bit against
+#            the C++ kernels (tests/test_quant_kernels.py -k cuda), and tests/test_cuda_quant.py
+#            (torchao Float8 / NF4 vs torch FSDP2, the own fp8 / NF4 all-gathers, on NCCL)
+#   bench  : benchmarks/bench_gpu.py                  (step time / memory vs torch FSDP2 at world
+#            size 8 on the fake process group, plain, torchao Float8 and NF4 QLoRA; packing and
+#            quantization kernels vs the bandwidth floor)
 #   tests  : python3 -m pytest tests/test_cuda_*.py   (kernels bit for bit vs CPU, runtime parity
 #            and memory vs torch FSDP2 on NCCL world size 1)
-#   bench  : benchmarks/bench_gpu.py                  (step time / memory vs torch FSDP2 at world
-#            size 8 on the fake process group; packing ops vs the bandwidth floor)
+#   quantcpu: tests/test_quant_kernels.py on this machine's CPU (its best kernel level)
 #   memcheck: compute-sanitizer --tool memcheck over the kernel tests
 # and writes every log, the pytest JUnit XML, bench_gpu.json and summary.txt to $OUT
 # (default build/gpu_check), each as soon as its stage ends. Each stage has its own time
@@ -15,7 +20,10 @@
 #   bash scripts/gpu_check.sh bench memcheck       # a later call reuses the in-place build
 #
 # Environment: PY (default python3), OUT, TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS
-# (default: the core count), GPU_CHECK_BENCH_ARGS (extra bench_gpu.py arguments).
+# (default: the core count), GPU_CHECK_BENCH_ARGS (extra bench_gpu.py arguments),
+# GPU_CHECK_DEADLINE_S (stop starting stages, and cut each stage's limit, so that the whole
+# run ends within this many seconds). Wheels in .whl/ (torchao, which the GPU image lacks) are
+# installed into /tmp/gpu_check_site first and put on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -23,9 +31,14 @@ OUT=${OUT:-build/gpu_check}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 STAGES=("$@")
-[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(build tests bench memcheck)
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(build quant bench tests quantcpu memcheck)
+DEADLINE=${GPU_CHECK_DEADLINE_S:-100000}
 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gpu_check_site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/gpu_check_site
+fi
 if [[ -z "${CUDA_HOME:-}" ]] && command -v nvcc >/dev/null; then
   # nvcc on PATH may be a wrapper: take the toolkit nvcc itself reports.
   nvcc_bin=$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -1)
@@ -38,7 +51,13 @@ failed=0
 stage() {  # stage NAME LIMIT_S CMD...: runs CMD with a time limit, log in $OUT/NAME.log
   local name=$1 limit=$2
   shift 2
-  local t0=$SECONDS rc=0
+  local t0=$SECONDS rc=0 left=$((DEADLINE - SECONDS - 5))
+  if (( left < 20 )); then
+    echo "=== gpu_check: $name: SKIPPED, ${left}s left before the deadline" | tee -a "$summary"
+    failed=1
+    return 0
+  fi
+  (( limit > left )) && limit=$left
   echo "=== gpu_check: $name: $*" | tee -a "$summary"
   timeout --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
   local line="=== gpu_check: $name: exit $rc after $((SECONDS - t0))s (log: $name.log)"
@@ -67,13 +86,19 @@ assert os.path.realpath(fsdp_native._C.__file__).startswith(here), f"imported {f
 assert fsdp_native._C.with_cuda == 1, "built without CUDA kernels"
 print("fsdp_native", fsdp_native._C.__file__, "built for torch", fsdp_native._C.torch_version, "running", torch.__version__)'
 fi
-if want tests; then
-  stage tests 400 "$PY" -m pytest -q -rs --junitxml="$OUT/pytest.xml" tests/test_cuda_build.py \
-    tests/test_cuda_runtime.py tests/test_cuda_memory.py tests/test_bench_smoke.py
+if want quant; then
+  stage quant 240 "$PY" -m pytest -q -rs tests/test_quant_kernels.py tests/test_cuda_quant.py -k cuda
 fi
 if want bench; then
   # shellcheck disable=SC2086
   stage bench 300 "$PY" benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
+fi
+if want tests; then
+  stage tests 400 "$PY" -m pytest -q -rs --junitxml="$OUT/pytest.xml" tests/test_cuda_build.py \
+    tests/test_cuda_runtime.py tests/test_cuda_memory.py
+fi
+if want quantcpu; then
+  stage quantcpu 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_quant_kernels.py
 fi
 if want memcheck; then
   if command -v compute-sanitizer >/dev/null; then

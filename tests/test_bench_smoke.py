@@ -26,13 +26,16 @@ def test_bench_gpu_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert [r["config"] for r in res["train"]] == ["overhead-fp32", "overhead-bf16", "llama8b-bf16"]
+    assert [r["config"] for r in res["train"]] == [
+        "overhead-fp32", "overhead-bf16", "llama8b-bf16", "llama8b-float8", "llama8b-nf4-qlora", "llama8b-own-fp8"]
     for r in res["train"]:
         assert not r["errors"], r["errors"]
         assert r["timing"]["ratio"] > 0
-        assert set(r["memory"]) == {"torch", "fsdp_native"}
+        want = {"torch", "fsdp_native"} if r["config"] != "llama8b-own-fp8" else {"fsdp_native", "fsdp_native:fp8_rowwise"}
+        assert set(r["memory"]) == want == set(r["timing"]["median_ms"])
     assert not res["ops"]["errors"], res["ops"]["errors"]
-    assert len(res["ops"]["rows"]) == 14
+    # 7 packing ops and 8 quantized all-gather kernels (3 formats) per unit, 2 units
+    assert len(res["ops"]["rows"]) == 30
     assert all(row["host"]["of_floor"] > 0 for row in res["ops"]["rows"])
     assert "| overhead-fp32 |" in proc.stdout
 
@@ -68,7 +71,7 @@ env = B.Env(torch.device("cpu"), smoke=True)
 env.cuda = True  # the CUDA branches, with the stand-ins above
 mesh = B.make_mesh(env)
 tc = B.CONFIGS["overhead-bf16"]
-mem = {impl: B.memory_run(impl, tc, env, mesh) for impl in B.IMPLS}
+mem = {impl: B.memory_run(impl, tc, env, mesh) for impl in tc.impls}
 for m in mem.values():
     assert len(m["block_backward_start"]) == B.OVERHEAD_SMOKE.n_blocks, m
     assert all(isinstance(v, int) for v in m["block_backward_start"]), m
@@ -77,11 +80,15 @@ for m in mem.values():
 case = B.op_cases("work", B._block_shapes(B.OVERHEAD_SMOKE), env.device)[0]
 row = B.time_op_case(case, env, iters=2, reps=2)
 assert set(row) >= {"device", "host"} and row["device"]["of_floor"] > 0, row
+qcase = B.quant_op_cases("work", B._block_shapes(B.OVERHEAD_SMOKE), env.device)[-1]
+assert qcase.name == "dequantize nf4", qcase.name
+qrow = B.time_op_case(qcase, env, iters=2, reps=2)
+assert qrow["device"]["of_floor"] > 0, qrow
 result = {"machine": H.machine_info(), "train": [{"config": tc.name, "errors": {}, "memory": mem,
           "timing": {"median_ms": {"torch": 1.0, "fsdp_native": 0.5}, "ratio": 0.5}}],
           "ops": {"rows": [row], "errors": {}}}
 text = B.format_report(result)
-assert "| overhead-bf16 | 1.00 | 0.50 | **0.50** |" in text, text
+assert "| overhead-bf16 | torch | 1.00 | fsdp_native | 0.50 | **0.50** |" in text, text
 print("fake cuda ok")
 '''
 

@@ -12,7 +12,8 @@
 * exact error messages (C++ and the Python checks of the fakes and the Triton path) and
   torch.library.opcheck;
 * the Triton kernels equal the C++ ones bit for bit, run with TRITON_INTERPRET=1 in a
-  subprocess (``python tests/test_quant_kernels.py --triton`` runs that part alone);
+  subprocess (``python tests/test_quant_kernels.py --triton`` runs that part alone), and
+  compiled for the GPU where there is one (``test_triton_matches_cpp_on_cuda``);
 * every level of CPU kernels this machine has (FSDP_NATIVE_QUANT_ISA=avx512 and portable
   below the default best), the bit-exact tests again in a subprocess each.
 """
@@ -587,12 +588,32 @@ def triton_main() -> None:
     """Triton (TRITON_INTERPRET=1) against C++, bit for bit; small sizes: the interpreter runs
     each program in numpy."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    triton_vs_cpp(torch.device("cpu"))
+    print("triton: all equal")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _triton_available(), reason="needs a GPU and triton")
+def test_triton_matches_cpp_on_cuda():
+    """The Triton kernels compiled for the GPU against the C++ kernels on CPU, bit for bit:
+    the interpreted run's cases, plus shards big enough for many programs per parameter."""
+    triton_vs_cpp(torch.device("cuda"), big=True)
+
+
+def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
+    """The Triton ops on ``dev`` (CPU tensors under TRITON_INTERPRET=1, or CUDA) against the C++
+    ops on CPU tensors, bit for bit: quantized bytes, dequantized values, amaxes, messages."""
     import fsdp_native.kernels.quant  # noqa: F401
 
     ns = torch.ops.fsdp_native
     tq, tdq = ns.quantize_copy_in_triton, ns.dequantize_copy_out_triton
+
+    def on(ts):
+        return [t.to(dev) for t in ts]
+
     gen = torch.Generator().manual_seed(8)
     shapes = [(), (1,), (0,), (4, 0), (3, 5), (9, 2), (5, 130)]
+    if big:
+        shapes += [(1024, 4096 + 3), (3 * 4096 + 5,), (17, 3, 129)]
     for fmt in Q.FORMATS:
         for src in (f32, bf16, f16):
             fulls = [make_values(s, src, gen, special=True) for s in shapes]
@@ -604,53 +625,53 @@ def triton_main() -> None:
             for r in range(ws):
                 shards = [shards_of(f, p, r) for f, p in zip(fulls, padded)]
                 a = torch.full((n,), 0x11, dtype=torch.uint8)
-                b = torch.full((n,), 0x22, dtype=torch.uint8)
+                b = torch.full((n,), 0x22, dtype=torch.uint8, device=dev)
                 ns.quantize_copy_in(shards, padded, rows, fmt, 64, None, a)
-                tq(shards, padded, rows, fmt, 64, None, b)
+                tq(on(shards), padded, rows, fmt, 64, None, b)
+                b = b.cpu()
                 assert torch.equal(a, b), (fmt, src, r, (a != b).nonzero().view(-1)[:8].tolist())
                 chunks.append(a)
             g = torch.cat(chunks)
             g[-7:] = 0xFF  # garbage scales / codes too
             for out_dtype in FLOATS:
                 o1 = [torch.empty(f.numel(), dtype=out_dtype) for f in fulls]
-                o2 = [torch.full((f.numel(),), 3.0, dtype=out_dtype) for f in fulls]
+                o2 = [torch.full((f.numel(),), 3.0, dtype=out_dtype, device=dev) for f in fulls]
                 ns.dequantize_copy_out(g, padded, rows, ws, fmt, 64, o1)
-                tdq(g, padded, rows, ws, fmt, 64, o2)
-                assert all(same_bits(x, y) for x, y in zip(o1, o2)), (fmt, src, out_dtype)
+                tdq(g.to(dev), padded, rows, ws, fmt, 64, o2)
+                assert all(same_bits(x, y.cpu()) for x, y in zip(o1, o2)), (fmt, src, out_dtype)
     # mixed source dtypes in one unit, a given amax, a [world_size, n] view, block sizes, amax op
     shards = [make_values((40,), bf16, gen, special=True), make_values((33,), f32, gen)]
     padded, rows = [40, 34], [8, 17]
     amax = torch.tensor([2.5, float("nan")])
     for fmt, bs, am in (("fp8_tensorwise", 64, amax), ("fp8_rowwise", 64, None), ("nf4", 2, None), ("nf4", 256, None)):
         n = Q.unit_layout(padded, rows, fmt, block_size=bs).rank_nbytes
-        a, b = torch.zeros(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)
+        a, b = torch.zeros(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8, device=dev)
         ns.quantize_copy_in(shards, padded, rows, fmt, bs, am, a)
-        tq(shards, padded, rows, fmt, bs, am, b)
-        assert torch.equal(a, b), (fmt, bs)
+        tq(on(shards), padded, rows, fmt, bs, None if am is None else am.to(dev), b)
+        assert torch.equal(a, b.cpu()), (fmt, bs)
         buf = torch.zeros(2, n + 16, dtype=torch.uint8)
         buf[0, :n], buf[1, :n] = a, a
         o1 = [torch.empty(80, dtype=bf16), torch.empty(60)]
-        o2 = [torch.empty(80, dtype=bf16), torch.empty(60)]
+        o2 = on([torch.empty(80, dtype=bf16), torch.empty(60)])
         ns.dequantize_copy_out(buf[:, :n], padded, rows, 2, fmt, bs, o1)
-        tdq(buf[:, :n], padded, rows, 2, fmt, bs, o2)
-        assert all(same_bits(x, y) for x, y in zip(o1, o2)), (fmt, bs)
-    m1, m2 = torch.empty(2), torch.empty(2)
+        tdq(buf.to(dev)[:, :n], padded, rows, 2, fmt, bs, o2)
+        assert all(same_bits(x, y.cpu()) for x, y in zip(o1, o2)), (fmt, bs)
+    m1, m2 = torch.empty(2), torch.empty(2, device=dev)
     ns.quantize_amax(shards, m1)
-    ns.quantize_amax_triton(shards, m2)
-    assert torch.equal(m1, m2)
+    ns.quantize_amax_triton(on(shards), m2)
+    assert torch.equal(m1, m2.cpu())
     # same messages as C++
     try:
-        tq([torch.ones(10, dtype=torch.int32)], [10], [1], "nf4", 64, None, torch.empty(16, dtype=torch.uint8))
+        tq(on([torch.ones(10, dtype=torch.int32)]), [10], [1], "nf4", 64, None, torch.empty(16, dtype=torch.uint8, device=dev))
         raise AssertionError("no error")
     except RuntimeError as e:
         assert "argument 'shards[0]' has dtype torch.int32" in str(e)
     n = Q.unit_layout(padded, rows, "nf4").rank_nbytes
-    torch.library.opcheck(tq, (shards, padded, rows, "nf4", 64, None, torch.empty(n, dtype=torch.uint8)),
+    torch.library.opcheck(tq, (on(shards), padded, rows, "nf4", 64, None, torch.empty(n, dtype=torch.uint8, device=dev)),
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
-    g = torch.zeros(2 * n, dtype=torch.uint8)
-    torch.library.opcheck(tdq, (g, padded, rows, 2, "nf4", 64, [torch.empty(80), torch.empty(60)]),
+    g = torch.zeros(2 * n, dtype=torch.uint8, device=dev)
+    torch.library.opcheck(tdq, (g, padded, rows, 2, "nf4", 64, on([torch.empty(80), torch.empty(60)])),
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
-    print("triton: all equal")
 
 
 if __name__ == "__main__" and "--triton" in sys.argv:
