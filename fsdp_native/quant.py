@@ -65,6 +65,9 @@ CUDA tensors the Triton kernels (``torch.ops.fsdp_native.quantize_copy_in_triton
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -320,6 +323,27 @@ def check_amax_args(shards, out) -> None:
 _triton_ops = None
 
 
+def _import_triton_kernels() -> None:
+    """Registers the *_triton ops. An install maps the repository's ``kernels/`` to
+    ``fsdp_native.kernels`` (pyproject.toml's package-dir); a source checkout used from
+    PYTHONPATH (setup.py build_ext --inplace) has no such package, so it is mapped here the
+    same way."""
+    try:
+        import fsdp_native.kernels.quant  # noqa: F401
+        return
+    except ModuleNotFoundError as e:
+        src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+        if e.name != "fsdp_native.kernels" or not os.path.isfile(os.path.join(src, "quant.py")):
+            raise
+    spec = importlib.util.spec_from_file_location(
+        "fsdp_native.kernels", os.path.join(src, "__init__.py"), submodule_search_locations=[src]
+    )
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["fsdp_native.kernels"] = pkg
+    spec.loader.exec_module(pkg)
+    import fsdp_native.kernels.quant  # noqa: F401,F811
+
+
 def _ops_for(t: torch.Tensor):
     """The op namespace for tensors on ``t``'s device: C++ kernels on CPU, Triton on CUDA."""
     global _triton_ops
@@ -327,7 +351,7 @@ def _ops_for(t: torch.Tensor):
         return torch.ops.fsdp_native.quantize_copy_in, torch.ops.fsdp_native.dequantize_copy_out, torch.ops.fsdp_native.quantize_amax
     if _triton_ops is None:
         try:
-            import fsdp_native.kernels.quant  # noqa: F401  (registers the *_triton ops)
+            _import_triton_kernels()
         except ImportError as e:
             raise RuntimeError(f"fsdp_native.quant on CUDA tensors needs Triton, which could not be imported ({e})") from e
         ns = torch.ops.fsdp_native

@@ -599,11 +599,45 @@ def test_triton_matches_cpp_on_cuda():
     triton_vs_cpp(torch.device("cuda"), big=True)
 
 
+_SOURCE_CHECKOUT = r"""
+import sys
+# as in a source checkout on PYTHONPATH: no installed package maps kernels/ to fsdp_native.kernels
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+import torch
+from fsdp_native import quant as Q
+import fsdp_native
+assert "fsdp_native.kernels" not in sys.modules
+try:
+    import fsdp_native.kernels
+    raise AssertionError("fsdp_native.kernels importable without the mapping")
+except ModuleNotFoundError:
+    pass
+Q._import_triton_kernels()
+print(sys.modules["fsdp_native.kernels.quant"].__file__)
+x = torch.linspace(-3, 3, 64)
+a, b = torch.empty(80, dtype=torch.uint8), torch.zeros(80, dtype=torch.uint8)
+torch.ops.fsdp_native.quantize_copy_in([x], [64], [1], "fp8_tensorwise", 64, None, a)
+torch.ops.fsdp_native.quantize_copy_in_triton([x], [64], [1], "fp8_tensorwise", 64, None, b)
+assert torch.equal(a, b)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _triton_available(), reason="triton is not installed")
+def test_triton_kernels_from_a_source_checkout():
+    """Built in place and used from PYTHONPATH (the GPU machine's recipe), fsdp_native finds
+    its Triton kernels in the repository's kernels/ as an install does."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    r = subprocess.run([sys.executable, "-c", _SOURCE_CHECKOUT], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.split() == [os.path.join(root, "kernels", "quant.py"), "ok"], r.stdout
+
+
 def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
     """The Triton ops on ``dev`` (CPU tensors under TRITON_INTERPRET=1, or CUDA) against the C++
     ops on CPU tensors, bit for bit: quantized bytes, dequantized values, amaxes, messages."""
-    import fsdp_native.kernels.quant  # noqa: F401
-
+    Q._import_triton_kernels()
     ns = torch.ops.fsdp_native
     tq, tdq = ns.quantize_copy_in_triton, ns.dequantize_copy_out_triton
 
