@@ -37,6 +37,19 @@ def has_extension(t: torch.Tensor) -> bool:
     return pre
 
 
+def own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose storages hold ``t``'s elements only. A chunk of a subclass tensor
+    is usually a view of each of its inner tensors, so it keeps the whole unsharded tensor
+    alive. Subclasses are rebuilt from copies of their inner tensors (``__tensor_flatten__``),
+    not with ``clone()``, which some define otherwise (torchao's NF4 re-quantizes with its
+    default block sizes)."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return t.clone()
+    names, ctx = t.__tensor_flatten__()
+    inner = {n: own_copy(getattr(t, n)) for n in names}
+    return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
+
+
 def _n_args(fn) -> int:
     return len(inspect.signature(fn).parameters)
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_native import _codec, _comm, _compat, _trace, ops
+from fsdp_native import _codec, _comm, _compat, _extension, _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedAllGather
 from fsdp_native._dtensor import ShardedDTensor, make_sharded
 from fsdp_native._layout import Layout, itemsize_order
@@ -208,8 +208,15 @@ class Unit:
     def _shard_extension(self, i: int, p: nn.Parameter) -> None:
         """A subclass parameter keeps its own rank-local shard (dim 0 divides evenly), on the
         CPU with CPU offload (as torch FSDP2: its fsdp_pre_all_gather then runs on a copy
-        moved to the device)."""
-        local = self._to_shard_device(torch.chunk(p.detach(), self.world_size, dim=0)[self.rank])
+        moved to the device). A chunk still on its device is copied: as a view it would keep
+        the whole unsharded tensor's storage alive (torchao's NF4 chunks are views of every
+        inner tensor)."""
+        chunk = torch.chunk(p.detach(), self.world_size, dim=0)[self.rank]
+        sd = self.shard_device
+        same_device = chunk.device.type == sd.type and sd.index in (None, chunk.device.index)
+        if self.world_size > 1 and same_device and not chunk.is_meta:
+            chunk = _extension.own_copy(chunk)
+        local = self._to_shard_device(chunk)
         dt = DTensor.from_local(local, self.info.mesh, self.info.placements, run_check=False, shape=p.shape, stride=p.stride())
         sp = nn.Parameter(dt, requires_grad=p.requires_grad)
         self.shard_views[i] = sp._local_tensor

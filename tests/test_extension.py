@@ -77,6 +77,11 @@ def _train(impl, mp: bool, reshard: bool, hsdp: bool = False, offload: bool = Fa
         impl.fully_shard(b, **kw)
     impl.fully_shard(model, **kw)
     nf4_locals = [b.proj.weight.to_local() for b in model.blocks]
+    for t in nf4_locals:  # a shard owns its bytes: no view keeping the unsharded NF4 tensor alive
+        for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
+            inner = getattr(t, name)
+            held, own = inner.untyped_storage().nbytes(), inner.numel() * inner.element_size()
+            assert held == own, f"{impl.name}: the NF4 shard's {name} keeps {held} bytes of storage for its {own}"
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(dist.get_rank())
     losses = []
