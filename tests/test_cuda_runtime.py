@@ -128,11 +128,11 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = Fals
     for layer in model.layers:
         impl.fully_shard(layer, **kw)
     impl.fully_shard(model, **kw)
-    if meta:
-        model.to_empty(device="cuda")
+    where = "cpu" if offload else "cuda"
+    if meta:  # offloaded shards are materialized on the CPU, as torch FSDP2 asks
+        model.to_empty(device=where)
         torch.manual_seed(1)
         model.reset_parameters()
-    where = "cpu" if offload else "cuda"
     assert all(isinstance(p, DTensor) and p.device.type == where for p in model.parameters())
     if offload:
         unpinned = [n for n, p in model.named_parameters() if not p.to_local().is_pinned()]
