@@ -391,10 +391,17 @@ def dequantize_copy_out(
     """Dequantizes every rank's chunk of ``gathered`` (uint8: ``world_size * rank_nbytes``
     contiguous bytes, or a ``[world_size, rank_nbytes]`` view with unit inner stride) into
     the unsharded ``outs[i]`` (contiguous float32 / bfloat16 / float16, ``numel_i`` elements:
-    rank ``r`` fills ``[r * padded_numels[i], ...)``), dropping padding."""
-    _ops_for(gathered)[1](
-        gathered, [int(p) for p in padded_numels], [int(r) for r in row_numels], int(world_size), format, int(block_size), list(outs)
-    )
+    rank ``r`` fills ``[r * padded_numels[i], ...)``), dropping padding.
+
+    The outputs' autograd version counters are left as they were, as the C++ op leaves them
+    (the Triton op, a ``custom_op`` that mutates ``outs``, bumps them): the outputs are
+    unsharded parameters that the backward saved in the forward and that an all-gather
+    refills before it uses them."""
+    outs = tuple(outs)
+    with torch.autograd._unsafe_preserve_version_counter(outs):
+        _ops_for(gathered)[1](
+            gathered, [int(p) for p in padded_numels], [int(r) for r in row_numels], int(world_size), format, int(block_size), list(outs)
+        )
 
 
 def quantize_amax(shards: Sequence[torch.Tensor], out: torch.Tensor) -> None:

@@ -634,6 +634,38 @@ def test_triton_kernels_from_a_source_checkout():
     assert r.stdout.split() == [os.path.join(root, "kernels", "quant.py"), "ok"], r.stdout
 
 
+_VERSIONS = r"""
+import torch
+from fsdp_native import quant as Q
+Q._import_triton_kernels()
+ns = torch.ops.fsdp_native
+fmt, padded, rows = "fp8_rowwise", [64], [8]
+chunk = torch.empty(Q.unit_layout(padded, rows, fmt).rank_nbytes, dtype=torch.uint8)
+Q.quantize_copy_in([torch.linspace(-2, 2, 64)], padded, rows, chunk, format=fmt)
+for name, ops in (("C++", None), ("Triton", (ns.quantize_copy_in_triton, ns.dequantize_copy_out_triton, ns.quantize_amax_triton))):
+    if ops is not None:
+        Q._ops_for = lambda t: ops  # the CUDA path's ops, on CPU tensors (interpreted)
+    w = torch.zeros(2 * 64)
+    saved = w.view(16, 8)  # as autograd saves an unsharded parameter in the forward
+    before = saved._version
+    Q.dequantize_copy_out(chunk.repeat(2), padded, rows, 2, [w], format=fmt)
+    assert torch.equal(w[:64], w[64:]) and w.abs().max() > 1, name
+    assert saved._version == before, f"{name}: version {saved._version}, was {before}"
+print("versions kept")
+"""
+
+
+@pytest.mark.skipif(not _triton_available(), reason="triton is not installed")
+def test_dequantize_keeps_autograd_versions():
+    """Refilling an unsharded parameter that the backward saved must not look like an in-place
+    change to autograd: with the Triton op it did, and the GPU backward failed ("modified by an
+    inplace operation")."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _VERSIONS], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "versions kept" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
     """The Triton ops on ``dev`` (CPU tensors under TRITON_INTERPRET=1, or CUDA) against the C++
     ops on CPU tensors, bit for bit: quantized bytes, dequantized values, amaxes, messages."""
