@@ -88,6 +88,21 @@ def cudart_dir(wheel_libs: list[str]) -> list[str]:
     return [link_dir]
 
 
+def torch_libstdcxx() -> list[str]:
+    """The shared libstdc++ this process runs torch with, as a link input of the extension.
+    A compiler that links libstdc++ statically (seen on a GPU image whose CXX is a GCC of its
+    own that has only libstdc++.a) puts a second libstdc++ in the process, whose locale is
+    never set up: every number in an error message came out empty, or crashed the process
+    with a segmentation fault. Listed ahead of the compiler's own libstdc++, the shared
+    one defines every symbol the extension needs, so nothing comes from a static copy."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libstdc++.so" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.isfile(p))[:1]
+
+
 def extension():
     with_cuda, why = cuda_decision()
     debug = os.environ.get("DEBUG", "0") == "1"
@@ -97,7 +112,7 @@ def extension():
     # No -std: torch's cpp_extension adds the standard its headers need (C++17 for torch 2.13,
     # C++20 for 2.14, whose headers use std::strong_ordering), for c++ and nvcc alike.
     cxx = opt + ["-fopenmp"]
-    kwargs: dict = dict(define_macros=macros, extra_link_args=["-fopenmp"])
+    kwargs: dict = dict(define_macros=macros, extra_link_args=["-fopenmp"] + torch_libstdcxx())
     if not with_cuda:
         log(f"building CPU kernels only; CUDA skipped because {why}")
         return CppExtension("fsdp_native._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
