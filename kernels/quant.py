@@ -290,12 +290,37 @@ def _log2(n: int) -> int:
     return max(1, (max(n, 1) - 1).bit_length() + 1)
 
 
+# Device copies of the launch tables, by content. A unit's buffers stay put from step to step,
+# so its tables repeat: without this, every call made two host-to-device copies from pageable
+# memory, each of which synchronizes the stream before it starts. The kernels only read them.
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+_TABLES_MAX = 1024
+
+
 def _launch_tables(rows: list[list[int]], counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    key = (str(device), tuple(v for r in rows for v in r), tuple(counts))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
-    meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, _COLS).to(device, non_blocking=True)
-    return meta, torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True), starts[-1]
+    meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, _COLS).to(device)
+    hit = (meta, torch.tensor(starts, dtype=torch.int64).to(device), starts[-1])
+    if len(_TABLES) >= _TABLES_MAX:  # the oldest first
+        del _TABLES[next(iter(_TABLES))]
+    _TABLES[key] = hit
+    return hit
+
+
+_NF4_TABLES: dict[str, torch.Tensor] = {}
+
+
+def _nf4_table(device) -> torch.Tensor:
+    t = _NF4_TABLES.get(str(device))
+    if t is None:
+        t = _NF4_TABLES[str(device)] = torch.tensor(NF4_VALUES, dtype=torch.float32).to(device)
+    return t
 
 
 def _groups(tensors) -> dict[torch.dtype, list[int]]:
@@ -392,7 +417,7 @@ def dequantize_copy_out_triton(
 ) -> None:
     layout = Q.check_dequantize_args(gathered, padded_numels, row_numels, world_size, format, block_size, outs)
     rank_stride = gathered.stride(0) if gathered.dim() == 2 else layout.rank_nbytes
-    table = torch.tensor(NF4_VALUES, dtype=torch.float32).to(gathered.device, non_blocking=True)
+    table = _nf4_table(gathered.device)
     fmt = Q.FORMATS.index(format)
     for dtype, idx in _groups(outs).items():
         rows = [_meta_row(outs[i].data_ptr(), outs[i].numel(), padded_numels[i], row_numels[i], layout.segments[i], 0) for i in idx]

@@ -722,6 +722,18 @@ def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
         ns.dequantize_copy_out(buf[:, :n], padded, rows, 2, fmt, bs, o1)
         tdq(buf.to(dev)[:, :n], padded, rows, 2, fmt, bs, o2)
         assert all(same_bits(x, y.cpu()) for x, y in zip(o1, o2)), (fmt, bs)
+    # a unit's launch tables are made once and reused (no host-to-device copy per call)
+    from fsdp_native.kernels import quant as K
+
+    dshards = on(shards)
+    n = Q.unit_layout(padded, rows, "fp8_rowwise").rank_nbytes
+    o1, o2 = torch.zeros(n, dtype=torch.uint8, device=dev), torch.ones(n, dtype=torch.uint8, device=dev)
+    tq(dshards, padded, rows, "fp8_rowwise", 64, None, o1)
+    cached = dict(K._TABLES)
+    tq(dshards, padded, rows, "fp8_rowwise", 64, None, o1)
+    assert K._TABLES.keys() == cached.keys() and all(K._TABLES[k] is v for k, v in cached.items())
+    tq([t.clone() for t in dshards], padded, rows, "fp8_rowwise", 64, None, o2)  # other sources: other tables
+    assert len(K._TABLES) > len(cached) and torch.equal(o1, o2)
     m1, m2 = torch.empty(2), torch.empty(2, device=dev)
     ns.quantize_amax(shards, m1)
     ns.quantize_amax_triton(on(shards), m2)
