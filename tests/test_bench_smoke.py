@@ -150,3 +150,20 @@ def test_harness_load_impl_names():
     model.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
     shard_model(model, lambda m, **kw: calls.append((m, m._compiled_call_impl is not None)), compile_blocks=True)
     assert calls == [(model.blocks[0], True), (model.blocks[1], True), (model, False)]
+
+
+def test_gpu_memory_snapshot_groups_by_our_frames():
+    """benchmarks/gpu_memory_snapshot.py's grouping of a CUDA memory snapshot (its GPU part
+    needs a GPU): live blocks only, each under its innermost frame in fsdp_native / FSDP2 /
+    torchao / optimizers / benchmarks."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import gpu_memory_snapshot as G
+
+    ours = {"filename": "/r/fsdp_native/_unit.py", "line": 199, "name": "_new_flat"}
+    snap = {"segments": [{"blocks": [
+        {"state": "active_allocated", "size": 1 << 20, "frames": [{"filename": "/t/torch/nn/functional.py", "line": 1, "name": "f"}, ours]},
+        {"state": "active_allocated", "size": 512, "frames": [ours]},
+        {"state": "inactive", "size": 1 << 30, "frames": [ours]},
+        {"state": "active_allocated", "size": 7, "frames": []},
+    ]}]}  # fmt: skip
+    assert G.groups(snap) == {"/r/fsdp_native/_unit.py:199 _new_flat": (1 << 20) + 512, "(other)": 7}
