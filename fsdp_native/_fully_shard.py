@@ -409,7 +409,15 @@ class FSDPModule(_TorchFSDPModule):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         unit = self._unit
         unit.reshard()
-        ret = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # skip torch's FSDP2 override
+        fn = args[0] if args else kwargs["fn"]
+        hidden = unit.apply_to_flat(fn)  # the unit's plain shards at once, in their flat buffer
+        if hidden:
+            unit.hide(True)
+        try:
+            ret = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # skip torch's FSDP2 override
+        finally:
+            if hidden:
+                unit.hide(False)
         unit.readopt()
         return ret
 

@@ -225,6 +225,58 @@ class Unit:
         for mod, name in self.owners[i]:
             mod._parameters[name] = sp
 
+    def apply_to_flat(self, fn) -> bool:
+        """``nn.Module._apply(fn)`` for this unit's plain shards, as one tensor: ``fn`` (a
+        device move, ``to_empty``) is applied to the flat buffer and the shards become views of
+        the result. It returns True, and the caller must :meth:`hide` them from ``_apply``.
+        ``to_empty`` from the meta device so allocates each shard once. Converting every
+        parameter and then packing them into a new flat buffer held a unit's shards twice for
+        a moment (on an H200, the Llama root unit's 125 MiB at init).
+
+        It returns False, with nothing changed but ``fn``'s call on the flat buffer, when
+        ``fn`` changes the dtype or size, with CPU offload, with gradients, or when a parameter
+        was replaced: the per-parameter path and :meth:`readopt` then do it all."""
+        ext = self.layout.ext
+        if self.offload is not None or self.sharded_flat is None or all(ext):
+            return False
+        for (params, name), i in zip(self._slots, self._slot_index):
+            p = params[name]
+            if p is not self.sharded_params[i] or p._local_tensor is not self.shard_views[i] or (not ext[i] and p.grad is not None):
+                return False
+        flat = self.sharded_flat
+        with torch.no_grad():
+            new = fn(flat)
+        if type(new) is not torch.Tensor or new.dtype != flat.dtype or new.shape != flat.shape:
+            return False
+        if new is not flat:
+            views = self.layout.shard_views(new)
+            moved = new.device != flat.device
+            for i, sp in enumerate(self.sharded_params):
+                if ext[i]:
+                    continue
+                if moved:  # the parameter moves too, as nn.Module._apply moves it
+                    dt = make_sharded(views[i], sp._spec)
+                    if torch._has_compatible_shallow_copy_type(sp, dt):
+                        sp.data = dt
+                    else:  # e.g. from the meta device: a new parameter, as _apply makes
+                        sp = nn.Parameter(dt, requires_grad=sp.requires_grad)
+                        sp._fsdp_native_unit = self
+                        self.sharded_params[i] = sp
+                sp._local_tensor = self.shard_views[i] = views[i]
+            self.sharded_flat = new
+            self._pending_grads = None
+            if self.unsharded_flat is not None and self.unsharded_flat.device != self.device and new.device.type != "meta":
+                self.unsharded_flat = None
+                self.unsharded_params = []
+        return True
+
+    def hide(self, hidden: bool) -> None:
+        """Hides the plain sharded parameters from ``nn.Module._apply`` (their slots hold None,
+        which it skips, so the parameters' order stays), or shows them again."""
+        for (params, name), i in zip(self._slots, self._slot_index):
+            if not self.layout.ext[i]:
+                params[name] = None if hidden else self.sharded_params[i]
+
     def readopt(self) -> None:
         """Re-adopts the registered sharded parameters after ``_apply`` / ``to_empty`` /
         ``load_state_dict(assign=True)`` replaced their tensors, re-packing them into a flat
@@ -239,6 +291,21 @@ class Unit:
             p._local_tensor is v for p, v in zip(params, self.shard_views)
         )
         if same:
+            return
+        ext = self.layout.ext
+        if all(p is sp and p._local_tensor is v for p, sp, v, e in zip(params, self.sharded_params, self.shard_views, ext) if not e):
+            # only subclass shards changed (after apply_to_flat): no re-packing
+            for i, p in enumerate(params):
+                if ext[i]:
+                    self._check_replacement(i, p)
+                    if self.offload is not None:
+                        p._local_tensor = self._to_shard_device(p._local_tensor)
+                    self.shard_views[i] = p._local_tensor
+                    p._fsdp_native_unit = self
+                    self.sharded_params[i] = p
+            for i, owner in enumerate(self.owners):
+                for mod, name in owner:
+                    mod._parameters[name] = params[i]
             return
         for i, p in enumerate(params):
             self._check_replacement(i, p)
