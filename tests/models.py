@@ -154,6 +154,20 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def copy_task(model, opt, args: ModelArgs, steps: int, gen: torch.Generator, device="cpu") -> list[float]:
+    """``steps`` training steps of the copy task (predict the input token) on batches of 4
+    random sequences from ``gen``; the losses."""
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, args.vocab_size, (4, args.max_seq_len), generator=gen).to(device)
+        loss = lm_loss(model(x).float(), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 class MLPStack(nn.Module):
     """A tiny MLP stack used by API / error tests."""
 

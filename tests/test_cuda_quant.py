@@ -62,47 +62,11 @@ def _check_same(tag: str, got: dict, ref: dict) -> None:
 # torchao Float8 and NF4 against torch FSDP2
 
 
-def _train_float8(impl, mp: bool) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-
-    from test_float8 import DIM, Model
-
-    mesh = init_device_mesh(DEV, (1,))
-    torch.manual_seed(0)
-    with torch.device(DEV):
-        model = Model()
-    cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "head")
-    kw = dict(mesh=mesh)
-    if mp:
-        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in model.blocks:
-        impl.fully_shard(b, **kw)
-    impl.fully_shard(model, **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(4):
-        loss = model(torch.randn(32, DIM, generator=gen).to(DEV)).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        precompute_float8_dynamic_scale_for_fsdp(model)
-        losses.append(loss.detach().cpu())
-    return dict(losses=torch.stack(losses), params={n: _local(p) for n, p in model.named_parameters()})
-
-
-def _train_nf4(impl, mp: bool) -> dict:
+def _shard_and_train(impl, model, mp: bool, dim: int, batch: int, steps: int, after_step=None) -> torch.Tensor:
+    """Each block a unit, then the root; AdamW on the trainable parameters; the losses."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from test_extension import DIM, Model
-
-    mesh = init_device_mesh(DEV, (1,))
-    torch.manual_seed(0)
-    with torch.device(DEV):
-        model = Model()
-    kw = dict(mesh=mesh)
+    kw = dict(mesh=init_device_mesh(DEV, (1,)))
     if mp:
         kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in model.blocks:
@@ -111,17 +75,43 @@ def _train_nf4(impl, mp: bool) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
     gen = torch.Generator().manual_seed(0)
     losses = []
-    for _ in range(3):
-        loss = model(torch.randn(4, DIM, generator=gen).to(DEV)).float().pow(2).mean()
+    for _ in range(steps):
+        loss = model(torch.randn(batch, dim, generator=gen).to(DEV)).float().pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(model)
         losses.append(loss.detach().cpu())
+    return torch.stack(losses)
+
+
+def _train_float8(impl, mp: bool) -> dict:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+    from test_float8 import DIM, Model
+
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = Model()
+    cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "head")
+    losses = _shard_and_train(impl, model, mp, DIM, 32, 4, after_step=precompute_float8_dynamic_scale_for_fsdp)
+    return dict(losses=losses, params={n: _local(p) for n, p in model.named_parameters()})
+
+
+def _train_nf4(impl, mp: bool) -> dict:
+    from test_extension import DIM, Model
+
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = Model()
+    losses = _shard_and_train(impl, model, mp, DIM, 4, 3)
     params = {n: _local(p) for n, p in model.named_parameters() if p.requires_grad}
     for i, b in enumerate(model.blocks):  # the frozen NF4 weights, dequantized
         w = b.proj.weight
         params[f"blocks.{i}.proj.weight (NF4)"] = (w.to_local() if hasattr(w, "to_local") else w).get_original_weight().float().cpu()
-    return dict(losses=torch.stack(losses), params=params)
+    return dict(losses=losses, params=params)
 
 
 def _torchao_grid() -> list[str]:
@@ -203,21 +193,12 @@ def _own_values(fmt: str) -> None:
 
 
 def _own_losses(fmt: str | None, frozen: bool, steps: int = 30) -> list[float]:
-    from models import lm_loss
+    from models import copy_task
     from test_quantized_all_gather import ARGS
 
     model = _build_own(fmt, frozen)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    gen = torch.Generator().manual_seed(5)
-    losses = []
-    for _ in range(steps):  # a copy task: predict the input token
-        x = torch.randint(0, ARGS.vocab_size, (4, ARGS.max_seq_len), generator=gen).to(DEV)
-        loss = lm_loss(model(x).float(), x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return copy_task(model, opt, ARGS, steps, torch.Generator().manual_seed(5), DEV)
 
 
 def _own_grid() -> list[str]:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import assert_close, load_impl, ref_impl, run_distributed, run_grid
-from models import lm_loss, mesh_of
+from models import copy_task, mesh_of
 
 pytest.importorskip("torchao", reason="torchao is a test dependency (make test installs it)")
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
@@ -117,16 +117,7 @@ def _check_own(fmt: str, root: str) -> None:
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 
     def train(model, opt, steps, seed):
-        gen = torch.Generator().manual_seed(seed + dist.get_rank())
-        losses = []
-        for _ in range(steps):
-            x = torch.randint(0, qag.ARGS.vocab_size, (4, qag.ARGS.max_seq_len), generator=gen)
-            loss = lm_loss(model(x).float(), x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return copy_task(model, opt, qag.ARGS, steps, torch.Generator().manual_seed(seed + dist.get_rank()))
 
     want, got = _resume(build, build, train, os.path.join(root, fmt))
     assert_close(f"[{fmt} all-gather, resumed] losses", got, want, EXACT)
