@@ -264,7 +264,8 @@ def test_to_empty_allocates_each_shard_once():
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    # the tests' helpers; fsdp_native as this process imports it (installed, or PYTHONPATH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", _TO_EMPTY], env=env, cwd=here, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (ref_name, ref_peak, ref_shards), (name, peak, shards) = [line.split() for line in r.stdout.split("\n") if line][-2:]

@@ -624,14 +624,23 @@ print("ok")
 
 
 @pytest.mark.skipif(not _triton_available(), reason="triton is not installed")
-def test_triton_kernels_from_a_source_checkout():
+def test_triton_kernels_from_a_source_checkout(tmp_path):
     """Built in place and used from PYTHONPATH (the GPU machine's recipe), fsdp_native finds
-    its Triton kernels in the repository's kernels/ as an install does."""
+    its Triton kernels in the repository's kernels/ as an install does. The checkout is made
+    in tmp_path: the fsdp_native package now imported (its extension built for this torch)
+    without any kernels subpackage, beside the repository's kernels/."""
+    import shutil
+
+    import fsdp_native
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    r = subprocess.run([sys.executable, "-c", _SOURCE_CHECKOUT], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    skip = shutil.ignore_patterns("kernels", "__pycache__")
+    shutil.copytree(os.path.dirname(os.path.abspath(fsdp_native.__file__)), tmp_path / "fsdp_native", ignore=skip)
+    shutil.copytree(os.path.join(root, "kernels"), tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _SOURCE_CHECKOUT], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.split() == [os.path.join(root, "kernels", "quant.py"), "ok"], r.stdout
+    assert r.stdout.split() == [str(tmp_path / "kernels" / "quant.py"), "ok"], r.stdout
 
 
 _VERSIONS = r"""
@@ -660,9 +669,9 @@ def test_dequantize_keeps_autograd_versions():
     """Refilling an unsharded parameter that the backward saved must not look like an in-place
     change to autograd: with the Triton op it did, and the GPU backward failed ("modified by an
     inplace operation")."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _VERSIONS], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, TRITON_INTERPRET="1")  # cwd: the tests, not a checkout's fsdp_native
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _VERSIONS], env=env, cwd=here, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "versions kept" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
