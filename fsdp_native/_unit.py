@@ -249,6 +249,8 @@ class Unit:
         if type(new) is not torch.Tensor or new.dtype != flat.dtype or new.shape != flat.shape:
             return False
         if new is not flat:
+            if flat.is_meta and not new.is_meta:  # to_empty: zero padding, as _new_flat makes it
+                new.zero_()
             views = self.layout.shard_views(new)
             moved = new.device != flat.device
             for i, sp in enumerate(self.sharded_params):

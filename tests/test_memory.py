@@ -221,10 +221,11 @@ from dist_utils import load_impl, ref_impl
 from models import ModelArgs, Transformer
 from test_memory import allocated
 
-dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+dist.init_process_group("fake", rank=7, world_size=8, store=FakeStore())
 mesh = init_device_mesh("cpu", (8,))
-# the root unit (embedding and output, 2 x 8192 x 256) is the largest: 2 MiB per rank
-args = ModelArgs(n_layers=2, dim=256, vocab_size=8192, max_seq_len=16, n_heads=4)
+# the root unit (embedding and output, 2 x 8190 x 256) is the largest: 2 MiB per rank; 8190
+# rows do not divide by 8, so the last rank's shards are padded
+args = ModelArgs(n_layers=2, dim=256, vocab_size=8190, max_seq_len=16, n_heads=4)
 
 
 class Peak(TorchDispatchMode):
@@ -245,10 +246,20 @@ for impl in (ref_impl(), load_impl()):
     for layer in model.layers:
         impl.fully_shard(layer, mesh=mesh)
     impl.fully_shard(model, mesh=mesh)
+    for n in (1 << 20, 1 << 19, 1 << 18, 1 << 17):  # dirty memory for to_empty to reuse
+        junk = [torch.full((n,), float("nan")) for _ in range(4)]
+        del junk
     peak = Peak(allocated())
     with peak:
         model.to_empty(device="cpu")
     shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    for unit in {getattr(m, "_unit", None) for m in model.modules()} - {None}:  # fsdp_native's
+        flat = unit.sharded_flat
+        pad = torch.ones(flat.numel(), dtype=torch.bool)
+        for v in unit.shard_views:
+            pad[v.storage_offset() - flat.storage_offset():][:v.numel()] = False
+        assert pad.any() or unit is not model._unit, "the root's shards should be padded here"
+        assert bool((flat[pad] == 0).all()), "padding of a flat shard buffer is not zero after to_empty"
     print(impl.name, peak.peak, shards)
     del model
 """
@@ -266,6 +277,7 @@ def test_to_empty_allocates_each_shard_once():
     here = os.path.dirname(os.path.abspath(__file__))
     # the tests' helpers; fsdp_native as this process imports it (installed, or PYTHONPATH)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 30)  # buffers from the heap: freed memory is reused dirty
     r = subprocess.run([sys.executable, "-c", _TO_EMPTY], env=env, cwd=here, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (ref_name, ref_peak, ref_shards), (name, peak, shards) = [line.split() for line in r.stdout.split("\n") if line][-2:]
