@@ -241,7 +241,7 @@ class Unit:
             return False
         for (params, name), i in zip(self._slots, self._slot_index):
             p = params[name]
-            if p is not self.sharded_params[i] or p._local_tensor is not self.shard_views[i] or (not ext[i] and p.grad is not None):
+            if not self._is_ours(i, p) or (not ext[i] and p.grad is not None):
                 return False
         flat = self.sharded_flat
         with torch.no_grad():
@@ -289,35 +289,23 @@ class Unit:
         for i, owner in enumerate(self.owners):
             mod, name = owner[0]
             params.append(mod._parameters[name])
-        same = all(p is sp for p, sp in zip(params, self.sharded_params)) and all(
-            p._local_tensor is v for p, v in zip(params, self.shard_views)
-        )
-        if same:
+        ours = [self._is_ours(i, p) for i, p in enumerate(params)]
+        if all(ours):
             return
-        ext = self.layout.ext
-        if all(p is sp and p._local_tensor is v for p, sp, v, e in zip(params, self.sharded_params, self.shard_views, ext) if not e):
-            # only subclass shards changed (after apply_to_flat): no re-packing
-            for i, p in enumerate(params):
-                if ext[i]:
-                    self._check_replacement(i, p)
-                    if self.offload is not None:
-                        p._local_tensor = self._to_shard_device(p._local_tensor)
-                    self.shard_views[i] = p._local_tensor
-                    p._fsdp_native_unit = self
-                    self.sharded_params[i] = p
-            for i, owner in enumerate(self.owners):
-                for mod, name in owner:
-                    mod._parameters[name] = params[i]
-            return
+        layout = self.layout
         for i, p in enumerate(params):
             self._check_replacement(i, p)
         locals_ = [p._local_tensor for p in params]
-        device = locals_[0].device if locals_ else self.shard_device
-        if not device.type == "meta" and self.offload is not None:
-            device = torch.device("cpu")
-        layout = self.layout
-        flat = self._new_flat(device)
-        views = layout.shard_views(flat)
+        # After apply_to_flat only subclass shards changed: the flat buffer stays.
+        repack = not all(o for o, e in zip(ours, layout.ext) if not e)
+        if repack:
+            device = locals_[0].device if locals_ else self.shard_device
+            if not device.type == "meta" and self.offload is not None:
+                device = torch.device("cpu")
+            flat = self._new_flat(device)
+            views = layout.shard_views(flat)
+        else:
+            flat, views = self.sharded_flat, list(self.shard_views)
         with torch.no_grad():
             for i, (p, loc, view) in enumerate(zip(params, locals_, views)):
                 if layout.ext[i]:  # a subclass shard stays as it is (on the CPU with offload)
@@ -325,6 +313,8 @@ class Unit:
                         loc = p._local_tensor = self._to_shard_device(loc)
                     views[i] = loc
                     p._fsdp_native_unit = self
+                    continue
+                if not repack:
                     continue
                 if not loc.is_meta and view.numel():
                     view.copy_(loc.reshape(view.shape))
@@ -337,9 +327,13 @@ class Unit:
             for mod, name in owner:
                 mod._parameters[name] = params[i]
         self._pending_grads = None
-        if self.unsharded_flat is not None and self.unsharded_flat.device != self.device and device.type != "meta":
+        if self.unsharded_flat is not None and self.unsharded_flat.device != self.device and not (locals_ and locals_[0].is_meta):
             self.unsharded_flat = None
             self.unsharded_params = []
+
+    def _is_ours(self, i: int, p) -> bool:
+        """`p` is sharded parameter `i` as this unit registered it."""
+        return p is self.sharded_params[i] and p._local_tensor is self.shard_views[i]
 
     def _check_replacement(self, i: int, p) -> None:
         """A tensor registered in place of sharded parameter `i` must be a DTensor with the

@@ -397,11 +397,13 @@ def dequantize_copy_out(
     (the Triton op, a ``custom_op`` that mutates ``outs``, bumps them): the outputs are
     unsharded parameters that the backward saved in the forward and that an all-gather
     refills before it uses them."""
-    outs = tuple(outs)
-    with torch.autograd._unsafe_preserve_version_counter(outs):
-        _ops_for(gathered)[1](
-            gathered, [int(p) for p in padded_numels], [int(r) for r in row_numels], int(world_size), format, int(block_size), list(outs)
-        )
+    op = _ops_for(gathered)[1]
+    args = (gathered, [int(p) for p in padded_numels], [int(r) for r in row_numels], int(world_size), format, int(block_size), list(outs))
+    if op is torch.ops.fsdp_native.dequantize_copy_out:
+        op(*args)
+        return
+    with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+        op(*args)
 
 
 def quantize_amax(shards: Sequence[torch.Tensor], out: torch.Tensor) -> None:
