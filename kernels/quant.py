@@ -26,14 +26,88 @@ import triton.language as tl
 from fsdp_native import quant as Q
 from fsdp_native._quant_ref import NF4_VALUES
 
-# Elements per program (a row for fp8_rowwise), and per inner step.
+# Elements per tile of the fp8 kernels (a program's share: large enough that its fixed cost,
+# finding its parameter in the table, is small per element); elements per program of NF4.
+BLOCK = 4096
 TASK = 4096
-BLOCK = 1024
+# Tiles per program of the amax pass (fewer atomics on one amax).
+AMAX_TILES = 2
+# fp8_rowwise rows up to this many elements are quantized by one program per row: its amax,
+# then its codes (the second read of the row comes from cache). Longer rows take an amax pass
+# over the unit and then the codes, two launches.
+ROW_FUSE_MAX = 16384
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Compile options: no fused multiply-adds, and libdevice (div_rn) without flushing subnormals
 # to zero, so the GPU rounds as the C++ kernels and the reference do.
 _OPTS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+
+
+# --------------------------------------------------------------------------------------------
+# memory access. A tile that lies wholly inside its tensors is loaded and stored without masks
+# and, where the launch checked that its pointers and strides are 16-byte aligned (HINT), with
+# the compiler told so: 16 bytes per thread per access instead of one element (the pointers
+# come from a table, so the compiler cannot know their alignment). Only the last tile of a
+# tensor takes the masked path. A whole tile's pointers are built another way than the masked
+# path's (base + lo, then + j), or the compiler merges the two and drops the hint.
+
+
+@triton.jit
+def _src_ptrs(addr, j, SRC: tl.constexpr, HINT: tl.constexpr = False, V: tl.constexpr = 1):
+    """Pointers to elements ``j`` (1-D, or 2-D with contiguous rows) of a tensor of dtype SRC
+    (0 fp32, 1 bf16 as its bits, 2 f16) at raw address ``addr``; HINT: as runs of V elements,
+    each starting 16-byte aligned. (A hint acts only in the function that made the pointers,
+    hence here.)"""
+    if SRC == 0:
+        p = addr.to(tl.pointer_type(tl.float32)) + j
+    elif SRC == 1:
+        p = addr.to(tl.pointer_type(tl.uint16)) + j
+    else:
+        p = addr.to(tl.pointer_type(tl.float16)) + j
+    if HINT:
+        if len(j.shape) == 1:
+            p = tl.max_contiguous(tl.multiple_of(p, 16), V)
+        else:
+            p = tl.max_contiguous(tl.multiple_of(p, [16, 16]), [1, V])
+    return p
+
+
+@triton.jit
+def _byte_ptrs(base, j, HINT: tl.constexpr = False, V: tl.constexpr = 1):
+    """``base + j`` (u8 pointers; 1-D, or 2-D with contiguous rows); HINT: as runs of V bytes,
+    each starting V-byte aligned."""
+    p = base + j
+    if HINT:
+        if len(j.shape) == 1:
+            p = tl.max_contiguous(tl.multiple_of(p, V), V)
+        else:
+            p = tl.max_contiguous(tl.multiple_of(p, [V, V]), [1, V])
+    return p
+
+
+@triton.jit
+def _widen(x, SRC: tl.constexpr):
+    """fp32 values of loaded SRC elements; bf16 widens by its bits (exact everywhere,
+    subnormals included)."""
+    if SRC == 1:
+        return (x.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _out_ptrs(addr, j, OUT: tl.constexpr, HINT: tl.constexpr = False, V: tl.constexpr = 1):
+    """As _src_ptrs, for the bits of an OUT (0 fp32, else 16-bit) destination."""
+    if OUT == 0:
+        p = addr.to(tl.pointer_type(tl.uint32)) + j
+    else:
+        p = addr.to(tl.pointer_type(tl.uint16)) + j
+    if HINT:
+        if len(j.shape) == 1:
+            p = tl.max_contiguous(tl.multiple_of(p, 16), V)
+        else:
+            p = tl.max_contiguous(tl.multiple_of(p, [16, 16]), [1, V])
+    return p
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,19 +125,6 @@ def _find_param(starts, n_params, pid, LOG2: tl.constexpr):
         lo = lo + go * (mid - lo)
         hi = mid - 1 + go * (hi - mid + 1)
     return lo
-
-
-@triton.jit
-def _load_src(addr, i, mask, SRC: tl.constexpr):
-    """fp32 values of elements ``i`` at raw address ``addr`` of dtype SRC (0 fp32, 1 bf16,
-    2 f16); 0 where masked. bf16 widens by its bits (exact everywhere, subnormals included)."""
-    if SRC == 0:
-        return tl.load(addr.to(tl.pointer_type(tl.float32)) + i, mask=mask, other=0.0)
-    elif SRC == 1:
-        h = tl.load(addr.to(tl.pointer_type(tl.uint16)) + i, mask=mask, other=0)
-        return (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(addr.to(tl.pointer_type(tl.float16)) + i, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -94,67 +155,64 @@ def _fp8_encode(x, inv_scale):
 
 @triton.jit
 def _e4m3_value(b):
-    sign = (b & 0x80) << 24
-    e = (b >> 3) & 0xF
-    m = b & 7
-    sub = (m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
-    normal = ((e + 120) << 23) | (m << 20)
-    bits = tl.where(e == 0, sub, normal) | sign
-    bits = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
+    """The value of e4m3 code ``b`` (uint32): its bits moved into an fp16 are the value times
+    2^-8, normal or subnormal (the exponent biases differ by 8), so the exact fp16 -> fp32
+    conversion and an exact multiply by 256 give it."""
+    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    v = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, 0x7FC00000, v.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _nf4_code(v):
-    # the number of NF4 midpoints (fp32, _quant_ref.NF4_MIDPOINTS) below v
-    c = (v > -0.8480963706970215).to(tl.int32)
-    c += (v > -0.6106328964233398).to(tl.int32)
-    c += (v > -0.4599952697753906).to(tl.int32)
-    c += (v > -0.33967941999435425).to(tl.int32)
-    c += (v > -0.23460739850997925).to(tl.int32)
-    c += (v > -0.13791173696517944).to(tl.int32)
-    c += (v > -0.045525018125772476).to(tl.int32)
-    c += (v > 0.03979014977812767).to(tl.int32)
-    c += (v > 0.120255246758461).to(tl.int32)
-    c += (v > 0.2035212516784668).to(tl.int32)
-    c += (v > 0.2920137643814087).to(tl.int32)
-    c += (v > 0.3893125355243683).to(tl.int32)
-    c += (v > 0.5016634464263916).to(tl.int32)
-    c += (v > 0.6427869200706482).to(tl.int32)
-    c += (v > 0.8614784479141235).to(tl.int32)
-    return c
+    """The number of NF4 midpoints (fp32, _quant_ref.NF4_MIDPOINTS, ascending) below v, by a
+    binary search: four compares against midpoints picked by the earlier answers (the same
+    count as fifteen compares; NaN compares false everywhere: 0)."""
+    b3 = v > 0.03979014977812767
+    b2 = v > tl.where(b3, 0.3893125355243683, -0.33967941999435425)
+    t1 = tl.where(b3, tl.where(b2, 0.6427869200706482, 0.2035212516784668),
+                  tl.where(b2, -0.13791173696517944, -0.6106328964233398))  # fmt: skip
+    b1 = v > t1
+    t0 = tl.where(
+        b3,
+        tl.where(b2, tl.where(b1, 0.8614784479141235, 0.5016634464263916), tl.where(b1, 0.2920137643814087, 0.120255246758461)),
+        tl.where(b2, tl.where(b1, -0.045525018125772476, -0.23460739850997925), tl.where(b1, -0.4599952697753906, -0.8480963706970215)),
+    )
+    b0 = v > t0
+    return (b3.to(tl.int32) << 3) | (b2.to(tl.int32) << 2) | (b1.to(tl.int32) << 1) | b0.to(tl.int32)
 
 
 @triton.jit
-def _store_out(addr, v, mask, OUT: tl.constexpr):
-    """Stores fp32 ``v`` at raw address ``addr`` (int64) as OUT (0 fp32, 1 bf16, 2 f16),
-    rounding to nearest even, every NaN as the dtype's one NaN."""
+def _out_bits(v, OUT: tl.constexpr):
+    """fp32 ``v`` as the bits of OUT (0 fp32, 1 bf16, 2 f16), rounding to nearest even, every
+    NaN as the dtype's one NaN."""
     u = v.to(tl.uint32, bitcast=True)
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     if OUT == 0:
-        tl.store(addr.to(tl.pointer_type(tl.uint32)), tl.where(nan, 0x7FC00000, u), mask=mask)
+        return tl.where(nan, 0x7FC00000, u)
     elif OUT == 1:
         r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
-        tl.store(addr.to(tl.pointer_type(tl.uint16)), tl.where(nan, 0x7FC0, r).to(tl.uint16), mask=mask)
+        return tl.where(nan, 0x7FC0, r).to(tl.uint16)
     else:
         h = v.to(tl.float16).to(tl.uint16, bitcast=True)
-        tl.store(addr.to(tl.pointer_type(tl.uint16)), tl.where(nan, 0x7E00, h).to(tl.uint16), mask=mask)
+        return tl.where(nan, 0x7E00, h).to(tl.uint16)
 
 
 # Per-parameter table columns (int64). AIDX: where the parameter's amax lives in the amax
-# array (tensorwise: its index; rowwise: the index of its first row).
-_PTR, _NUMEL, _PADDED, _ROW, _SEG, _DATA_END, _SCALES, _SCALES_END, _SEG_END, _AIDX = range(10)
-_COLS = 10
+# array (tensorwise: its index; rowwise: the index of its first row). TILES: the dequantize's
+# tiles per rank (no 64-bit division in the kernel).
+_PTR, _NUMEL, _PADDED, _ROW, _SEG, _DATA_END, _SCALES, _SCALES_END, _SEG_END, _AIDX, _TILES = range(11)
+_COLS = 11
 
 
 @triton.jit
 def _load_meta(meta, p, col: tl.constexpr):
-    return tl.load(meta + p * 10 + col)
+    return tl.load(meta + p * 11 + col)
 
 
 # --------------------------------------------------------------------------------------------
-# kernels: one tile of BLOCK elements per program and no loops with run-time bounds (the
-# interpreter cannot run those with numpy 2.4)
+# kernels. Loops have compile-time trip counts (the interpreter cannot run loops with run-time
+# bounds with numpy 2.4); a tile's own bounds are run-time branches.
 
 
 @triton.jit
@@ -163,33 +221,70 @@ def _fp8_tile(meta, starts, n_params, ROWWISE: tl.constexpr, LOG2: tl.constexpr,
     within one row (row index ``r``)."""
     pid = tl.program_id(0).to(tl.int64)
     p = _find_param(starts, n_params, pid, LOG2)
-    t = pid - tl.load(starts + p)
+    t = (pid - tl.load(starts + p)).to(tl.int32)  # task indices fit 32 bits (the grid does)
     padded = _load_meta(meta, p, 2)
     if ROWWISE:
         row = _load_meta(meta, p, 3)
-        per_row = (row + BLOCK - 1) // BLOCK
+        per_row = ((row + BLOCK - 1) // BLOCK).to(tl.int32)
         r = t // per_row
-        lo = r * row + (t % per_row) * BLOCK
-        hi = tl.minimum(lo + BLOCK, r * row + row)
+        lo = r.to(tl.int64) * row + ((t - r * per_row) * BLOCK).to(tl.int64)
+        hi = tl.minimum(lo + BLOCK, r.to(tl.int64) * row + row)
+        r = r.to(tl.int64)
     else:
-        r = t * 0
-        lo = t * BLOCK
+        r = pid * 0
+        lo = t.to(tl.int64) * BLOCK
         hi = tl.minimum(lo + BLOCK, padded)
     return p, r, lo, hi
 
 
 @triton.jit
-def _amax_kernel(meta, starts, amax_bits, n_params, SRC: tl.constexpr, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr):
-    p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK)
-    i = lo + tl.arange(0, BLOCK)
-    x = _load_src(_load_meta(meta, p, 0), i, (i < hi) & (i < _load_meta(meta, p, 1)), SRC)
-    tl.atomic_max(amax_bits + _load_meta(meta, p, 9) + r, tl.max(_finite_abs_bits(x), axis=0))
+def _tile_amax(src, lo, hi, numel, SRC: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr):
+    """The largest finite |x| (as int32 bits) of elements [lo, min(hi, numel)) of a source."""
+    j = tl.arange(0, BLOCK)
+    if FULL:
+        x = tl.load(_src_ptrs(src + lo * (16 // V), j, SRC, HINT, V))
+    else:
+        x = tl.load(_src_ptrs(src, lo + j, SRC), mask=(lo + j < hi) & (lo + j < numel), other=0)
+    return tl.max(_finite_abs_bits(_widen(x, SRC)), axis=0)
+
+
+@triton.jit
+def _tile_codes(src, codes, lo, hi, numel, inv, SRC: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr):
+    """The fp8 codes of elements [lo, hi) of a source (zero past numel) into ``codes`` (the
+    codes of element 0)."""
+    j = tl.arange(0, BLOCK)
+    if FULL:
+        x = _widen(tl.load(_src_ptrs(src + lo * (16 // V), j, SRC, HINT, V)), SRC)
+        tl.store(_byte_ptrs(codes + lo, j, HINT, V), _fp8_encode(x, inv))
+    else:
+        x = _widen(tl.load(_src_ptrs(src, lo + j, SRC), mask=(lo + j < hi) & (lo + j < numel), other=0), SRC)
+        tl.store(codes + (lo + j), _fp8_encode(x, inv), mask=lo + j < hi)
+
+
+@triton.jit
+def _amax_kernel(
+    meta, starts, amax_bits, n_params,
+    SRC: tl.constexpr, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    V: tl.constexpr, HINT: tl.constexpr,
+):  # fmt: skip
+    p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK * TILES)
+    src = _load_meta(meta, p, 0)
+    numel = _load_meta(meta, p, 1)
+    m = tl.full([], 0, tl.int32)
+    for k in range(TILES):
+        a = lo + k * BLOCK
+        if (a + BLOCK <= hi) & (a + BLOCK <= numel):
+            m = tl.maximum(m, _tile_amax(src, a, hi, numel, SRC, True, HINT, BLOCK, V))
+        else:
+            m = tl.maximum(m, _tile_amax(src, a, hi, numel, SRC, False, HINT, BLOCK, V))
+    tl.atomic_max(amax_bits + _load_meta(meta, p, 9) + r, m)
 
 
 @triton.jit
 def _fp8_quantize_kernel(
-    meta, starts, out, amax, n_params, SRC: tl.constexpr, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr
-):
+    meta, starts, out, amax, n_params,
+    SRC: tl.constexpr, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
+):  # fmt: skip
     p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK)
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
@@ -198,10 +293,52 @@ def _fp8_quantize_kernel(
     scale = _fp8_scale(tl.load(amax + _load_meta(meta, p, 9) + r))
     first = lo == r * _load_meta(meta, p, 3) if ROWWISE else lo == 0
     tl.store(scales + r, scale, mask=first)
-    i = lo + tl.arange(0, BLOCK)
-    x = _load_src(src, i, (i < hi) & (i < numel), SRC)
-    tl.store(codes + i, _fp8_encode(x, tl.math.div_rn(1.0, scale)), mask=i < hi)
+    inv = tl.math.div_rn(1.0, scale)
+    if (lo + BLOCK <= hi) & (lo + BLOCK <= numel):
+        _tile_codes(src, codes, lo, hi, numel, inv, SRC, True, HINT, BLOCK, V)
+    else:
+        _tile_codes(src, codes, lo, hi, numel, inv, SRC, False, HINT, BLOCK, V)
     _zero_gaps_if(out, meta, p, hi == _load_meta(meta, p, 2))
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    meta, starts, out, n_params,
+    SRC: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
+    EVEN: tl.constexpr,
+):  # fmt: skip
+    """fp8_rowwise, one program per row of at most NT tiles: the row's amax, then its codes
+    (EVEN: every row a whole number of tiles)."""
+    pid = tl.program_id(0).to(tl.int64)
+    p = _find_param(starts, n_params, pid, LOG2)
+    r = pid - tl.load(starts + p)
+    src = _load_meta(meta, p, 0)
+    numel = _load_meta(meta, p, 1)
+    row = _load_meta(meta, p, 3)
+    lo = r * row  # a row is all data or all padding (numel and padded are whole rows)
+    codes = out + _load_meta(meta, p, 4)
+    scales = (out + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
+    if lo < numel:
+        m = tl.full([], 0, tl.int32)
+        for k in range(NT):
+            a = lo + k * BLOCK
+            if k * BLOCK < row:
+                m = tl.maximum(m, _tile_amax(src, a, lo + row, numel, SRC, EVEN, HINT, BLOCK, V))
+        scale = _fp8_scale(m.to(tl.float32, bitcast=True))
+        inv = tl.math.div_rn(1.0, scale)
+        for k in range(NT):
+            a = lo + k * BLOCK
+            if k * BLOCK < row:
+                _tile_codes(src, codes, a, lo + row, numel, inv, SRC, EVEN, HINT, BLOCK, V)
+    else:
+        scale = tl.full([], 1.0, tl.float32)
+        j = tl.arange(0, BLOCK)
+        for k in range(NT):
+            a = lo + k * BLOCK
+            if k * BLOCK < row:
+                tl.store(codes + a + j, tl.zeros([BLOCK], tl.uint8), mask=a + j < lo + row)
+    tl.store(scales + r, scale)
+    _zero_gaps_if(out, meta, p, lo + row == _load_meta(meta, p, 2))
 
 
 @triton.jit
@@ -220,66 +357,116 @@ def _zero_gaps_if(out, meta, p, last):
 
 @triton.jit
 def _nf4_quantize_kernel(
-    meta, starts, out, n_params, SRC: tl.constexpr, LOG2: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr
-):
+    meta, starts, out, n_params,
+    SRC: tl.constexpr, LOG2: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     p = _find_param(starts, n_params, pid, LOG2)
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     padded = _load_meta(meta, p, 2)
-    seg = _load_meta(meta, p, 4)
-    data_end = _load_meta(meta, p, 5)
     scales = (out + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
     t = pid - tl.load(starts + p)
-    blk = t * NB + tl.arange(0, NB).to(tl.int64)
-    bvalid = blk < (padded + BS - 1) // BS
-    e0 = blk[:, None] * BS + 2 * tl.arange(0, BS // 2).to(tl.int64)[None, :]
-    x0 = _load_src(src, e0, bvalid[:, None] & (e0 < numel), SRC)
-    x1 = _load_src(src, e0 + 1, bvalid[:, None] & (e0 + 1 < numel), SRC)
-    m0 = tl.max(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-    m1 = tl.max(x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-    m = tl.maximum(m0, m1)
+    lo = t * NB * BS
+    blk = t * NB + tl.arange(0, NB)
+    e = tl.arange(0, NB)[:, None] * BS + tl.arange(0, BS)[None, :]  # elements of the tile
+    if lo + NB * BS <= numel:
+        x = _widen(tl.load(_src_ptrs(src + lo * (16 // V), e, SRC, HINT, V)), SRC)
+    else:
+        x = _widen(tl.load(_src_ptrs(src, lo + e, SRC), mask=lo + e < numel, other=0), SRC)
+    m = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
     m = tl.where(m == 0, 0x3F800000, tl.maximum(m, 0x00800000))  # 1, or at least 2^-126
     scale = tl.where(m >= 0x7F800000, 0x7FC00000, m).to(tl.float32, bitcast=True)
     inv = tl.math.div_rn(1.0, scale)
-    c0 = _nf4_code(x0 * inv[:, None])
-    c1 = _nf4_code(x1 * inv[:, None])
-    byte = ((c0 << 4) | c1).to(tl.uint8)
-    b = e0 // 2
-    tl.store(out + seg + b, byte, mask=bvalid[:, None] & (seg + b < data_end))
-    tl.store(scales + blk, scale, mask=bvalid)
-    _zero_gaps_if(out, meta, p, (t + 1) * NB * BS >= padded)
+    hi4, lo4 = tl.split(tl.reshape(_nf4_code(x * inv[:, None]), [NB, BS // 2, 2]))
+    byte = ((hi4 << 4) | lo4).to(tl.uint8)
+    b = tl.arange(0, NB)[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # bytes of the tile
+    codes = out + _load_meta(meta, p, 4)
+    if lo + NB * BS <= padded:
+        tl.store(_byte_ptrs(codes + lo // 2, b, HINT, V // 2), byte)
+    else:
+        tl.store(codes + (lo // 2 + b), byte, mask=lo // 2 + b < (padded + 1) // 2)
+    tl.store(scales + blk, scale, mask=blk < (padded + BS - 1) // BS)
+    _zero_gaps_if(out, meta, p, lo + NB * BS >= padded)
+
+
+@triton.jit
+def _fp8_values(codes, dst, lo, hi, scale, OUT: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr):
+    """Elements [lo, hi) of one rank's fp8 codes times ``scale`` into ``dst`` (element 0 of
+    the rank's slice of the unsharded parameter)."""
+    j = tl.arange(0, BLOCK)
+    if FULL:
+        v = _e4m3_value(tl.load(_byte_ptrs(codes + lo, j, HINT, V)).to(tl.uint32)) * scale
+        tl.store(_out_ptrs(dst + lo * (16 // V), j, OUT, HINT, V), _out_bits(v, OUT))
+    else:
+        mask = lo + j < hi
+        v = _e4m3_value(tl.load(codes + (lo + j), mask=mask, other=0).to(tl.uint32)) * scale
+        tl.store(_out_ptrs(dst, lo + j, OUT), _out_bits(v, OUT), mask=mask)
+
+
+@triton.jit
+def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, V: tl.constexpr):
+    """Elements [lo, hi) (lo a block's first) of one rank's NF4 codes into ``dst``."""
+    k = tl.arange(0, NB)
+    b = k[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # bytes of the tile
+    e = k[:, None] * BS + tl.arange(0, BS)[None, :]  # elements of the tile
+    if FULL:
+        s = tl.load(scales + lo // BS + k)
+        c = tl.load(_byte_ptrs(codes + lo // 2, b, HINT, V // 2)).to(tl.int32)
+    else:
+        s = tl.load(scales + lo // BS + k, mask=lo + k * BS < hi, other=1.0)
+        c = tl.load(codes + (lo // 2 + b), mask=lo + 2 * b < hi, other=0).to(tl.int32)
+    v = tl.interleave(tl.load(table + (c >> 4)) * s[:, None], tl.load(table + (c & 15)) * s[:, None])
+    if FULL:
+        tl.store(_out_ptrs(dst + lo * (16 // V), e, OUT, HINT, V), _out_bits(v, OUT))
+    else:
+        tl.store(_out_ptrs(dst, lo + e, OUT), _out_bits(v, OUT), mask=lo + e < hi)
 
 
 @triton.jit
 def _dequantize_kernel(
     meta, starts, gathered, rank_stride, table, n_params,
-    FMT: tl.constexpr, OUT: tl.constexpr, LOG2: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr,
+    FMT: tl.constexpr, OUT: tl.constexpr, LOG2: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr,
+    HINT: tl.constexpr,
 ):  # fmt: skip
+    """One tile of one rank's slice of a parameter: BLOCK elements (fp8_rowwise: within one
+    row, so one scale), or BLOCK // BS whole NF4 blocks."""
     pid = tl.program_id(0).to(tl.int64)
     p = _find_param(starts, n_params, pid, LOG2)
-    dst = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     padded = _load_meta(meta, p, 2)
-    per_rank = (padded + BLOCK - 1) // BLOCK
-    t = pid - tl.load(starts + p)
+    t = (pid - tl.load(starts + p)).to(tl.int32)  # task indices fit 32 bits (the grid does)
+    per_rank = _load_meta(meta, p, 10).to(tl.int32)
     r = t // per_rank
-    i = (t % per_rank) * BLOCK + tl.arange(0, BLOCK)
-    valid = tl.minimum(tl.maximum(numel - r * padded, 0), padded)
-    mask = i < valid
+    u = t - r * per_rank
+    r = r.to(tl.int64)
+    if FMT == 1:
+        row = _load_meta(meta, p, 3)
+        per_row = ((row + BLOCK - 1) // BLOCK).to(tl.int32)
+        rr32 = u // per_row
+        rr = rr32.to(tl.int64)
+        lo = rr * row + ((u - rr32 * per_row) * BLOCK).to(tl.int64)
+        hi = tl.minimum(lo + BLOCK, rr * row + row)
+    else:
+        rr = r * 0
+        lo = u.to(tl.int64) * BLOCK
+        hi = tl.minimum(lo + BLOCK, padded)
+    hi = tl.minimum(hi, tl.maximum(numel - r * padded, 0))  # this rank's real elements
     chunk = gathered + r * rank_stride
     codes = chunk + _load_meta(meta, p, 4)
     scales = (chunk + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
+    dst = _load_meta(meta, p, 0) + r * padded * (4 if OUT == 0 else 2)
     if FMT == 2:
-        b = tl.load(codes + i // 2, mask=mask, other=0).to(tl.uint32)
-        code = tl.where(i % 2 == 0, b >> 4, b & 15)
-        v = tl.load(table + code) * tl.load(scales + i // BS, mask=mask, other=1.0)
+        if lo + BLOCK <= hi:
+            _nf4_values(codes, scales, table, dst, lo, hi, OUT, True, HINT, BS, BLOCK // BS, V)
+        else:
+            _nf4_values(codes, scales, table, dst, lo, hi, OUT, False, HINT, BS, BLOCK // BS, V)
     else:
-        b = tl.load(codes + i, mask=mask, other=0).to(tl.uint32)
-        s_idx = i // _load_meta(meta, p, 3) if FMT == 1 else i * 0
-        v = _e4m3_value(b) * tl.load(scales + s_idx, mask=mask, other=1.0)
-    es = 4 if OUT == 0 else 2
-    _store_out(dst + (r * padded + i) * es, v, mask, OUT)
+        scale = tl.load(scales + rr)
+        if lo + BLOCK <= hi:
+            _fp8_values(codes, dst, lo, hi, scale, OUT, True, HINT, BLOCK, V)
+        else:
+            _fp8_values(codes, dst, lo, hi, scale, OUT, False, HINT, BLOCK, V)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,6 +475,18 @@ def _dequantize_kernel(
 
 def _log2(n: int) -> int:
     return max(1, (max(n, 1) - 1).bit_length() + 1)
+
+
+def _warps(block: int) -> int:
+    """Warps for a tile of `block` elements: at least 8 elements per thread (16-byte accesses
+    of 16-bit values), at most 4 warps."""
+    return max(1, min(4, block // 256))
+
+
+def _aligned(*values: int) -> bool:
+    """Whether every address and byte offset is a multiple of 16 (the launch may then tell the
+    compiler that its runs of 16 bytes are aligned)."""
+    return all(v % 16 == 0 for v in values)
 
 
 # Device copies of the launch tables, by content. A unit's buffers stay put from step to step,
@@ -330,10 +529,10 @@ def _groups(tensors) -> dict[torch.dtype, list[int]]:
     return g
 
 
-def _meta_row(ptr, numel, padded, row, seg: Q.Segment, aidx) -> list[int]:
+def _meta_row(ptr, numel, padded, row, seg: Q.Segment, aidx, tiles: int = 0) -> list[int]:
     return [
         ptr, numel, padded, row, seg.offset, seg.offset + seg.data_nbytes, seg.offset + seg.scale_offset,
-        seg.offset + seg.scale_offset + 4 * seg.n_scales, seg.offset + seg.nbytes, aidx,
+        seg.offset + seg.scale_offset + 4 * seg.n_scales, seg.offset + seg.nbytes, aidx, tiles,
     ]  # fmt: skip
 
 
@@ -341,20 +540,57 @@ def _nf4_blocks_per_program(block_size: int) -> int:
     return max(1, TASK // block_size)
 
 
-def _fp8_tiles(padded: int, row: int, rowwise: bool) -> int:
+def _fp8_tiles(padded: int, row: int, rowwise: bool, block: int) -> int:
     if padded == 0:
         return 0
-    return (padded // row) * -(-row // BLOCK) if rowwise else -(-padded // BLOCK)
+    return (padded // row) * -(-row // block) if rowwise else -(-padded // block)
 
 
-def _fp8_launch(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, device, *args) -> None:
-    """One launch of ``kernel`` per source dtype over every fp8 tile of the unit."""
+def _fp8_launch(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, device, *args, tiles: int = 0, out_ptr: int = 0) -> None:
+    """One launch of ``kernel`` per source dtype over every fp8 tile of the unit (``tiles``
+    tiles per program for the amax kernel; ``out_ptr``: where the codes go)."""
     for dtype, idx in _groups(shards).items():
         rows = [_meta_row(shards[i].data_ptr(), shards[i].numel(), padded_numels[i], row_numels[i], segs[i], aidx[i]) for i in idx]
-        counts = [_fp8_tiles(padded_numels[i], row_numels[i], rowwise) for i in idx]
+        counts = [_fp8_tiles(padded_numels[i], row_numels[i], rowwise, BLOCK * max(tiles, 1)) for i in idx]
         meta, starts, n = _launch_tables(rows, counts, device)
+        v = 16 // dtype.itemsize
+        hint = _aligned(out_ptr, *(shards[i].data_ptr() for i in idx)) and (
+            not rowwise or all(row_numels[i] % v == 0 for i in idx)
+        )
+        extra = {"TILES": tiles} if tiles else {}
         if n:
-            kernel[(n,)](meta, starts, *args, len(idx), SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK, **_OPTS)
+            kernel[(n,)](
+                meta, starts, *args, len(idx), SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK,
+                V=v, HINT=hint, **extra, **_OPTS,
+            )  # fmt: skip
+
+
+def _row_block(rows: list[int]) -> int:
+    """Tile size for tiles within rows: the largest power of two up to BLOCK that divides
+    every row if that is at least 128 (whole tiles), else one power of two covering the
+    longest row, up to BLOCK."""
+    even = min(BLOCK, min(r & -r for r in rows))
+    return even if even >= 128 else min(BLOCK, max(16, 1 << (max(rows) - 1).bit_length()))
+
+
+def _fp8_rows_launch(shards, padded_numels, row_numels, segs, out) -> None:
+    """fp8_rowwise by one program per row, for rows of at most ROW_FUSE_MAX elements."""
+    for dtype, idx in _groups(shards).items():
+        live = [i for i in idx if padded_numels[i]]
+        if not live:
+            continue
+        rows = [_meta_row(shards[i].data_ptr(), shards[i].numel(), padded_numels[i], row_numels[i], segs[i], 0) for i in idx]
+        counts = [padded_numels[i] // row_numels[i] if padded_numels[i] else 0 for i in idx]
+        meta, starts, n = _launch_tables(rows, counts, out.device)
+        v = 16 // dtype.itemsize
+        block = _row_block([row_numels[i] for i in live])
+        even = all(row_numels[i] % block == 0 for i in live)
+        nt = -(-max(row_numels[i] for i in live) // block)
+        hint = even and _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block % v == 0
+        _fp8_rows_kernel[(n,)](
+            meta, starts, out, len(idx), SRC=_KIND[dtype], LOG2=_log2(len(idx)), BLOCK=block, NT=nt, V=v, HINT=hint,
+            EVEN=even, num_warps=_warps(block), **_OPTS,
+        )  # fmt: skip
 
 
 @torch.library.custom_op("fsdp_native::quantize_amax_triton", mutates_args=("out",))
@@ -363,7 +599,7 @@ def quantize_amax_triton(shards: list[torch.Tensor], out: torch.Tensor) -> None:
     bits = torch.zeros(len(shards), dtype=torch.int32, device=out.device)
     numels = [s.numel() for s in shards]
     empty = [Q.Segment(0, 0, 0, 0, 0)] * len(shards)
-    _fp8_launch(_amax_kernel, shards, numels, [1] * len(shards), empty, False, range(len(shards)), out.device, bits)
+    _fp8_launch(_amax_kernel, shards, numels, [1] * len(shards), empty, False, range(len(shards)), out.device, bits, tiles=AMAX_TILES)
     out.copy_(bits.view(torch.float32))
 
 
@@ -385,12 +621,18 @@ def quantize_copy_in_triton(
             rows = [_meta_row(shards[i].data_ptr(), shards[i].numel(), padded_numels[i], row_numels[i], segs[i], 0) for i in idx]
             counts = [-(-segs[i].n_scales // nb) for i in idx]
             meta, starts, n = _launch_tables(rows, counts, out.device)
+            v = 16 // dtype.itemsize
+            hint = _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block_size % v == 0
             if n:
                 _nf4_quantize_kernel[(n,)](
-                    meta, starts, out, len(idx), SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, **_OPTS
-                )
+                    meta, starts, out, len(idx), SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, V=v,
+                    HINT=hint, **_OPTS,
+                )  # fmt: skip
         return
     rowwise = format == Q.FP8_ROWWISE
+    if rowwise and max(row_numels, default=0) <= ROW_FUSE_MAX:
+        _fp8_rows_launch(shards, padded_numels, row_numels, segs, out)
+        return
     if rowwise:  # amax of every row of the unit, then the codes
         aidx, total = [], 0
         for s in segs:
@@ -400,9 +642,10 @@ def quantize_copy_in_triton(
         aidx, total = list(range(len(shards))), len(shards)
     if amax is None:
         bits = torch.zeros(total, dtype=torch.int32, device=out.device)
-        _fp8_launch(_amax_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device, bits)
+        _fp8_launch(_amax_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device, bits,
+                    tiles=1 if rowwise else AMAX_TILES)  # fmt: skip
         amax = bits.view(torch.float32)
-    _fp8_launch(_fp8_quantize_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device, out, amax)
+    _fp8_launch(_fp8_quantize_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device, out, amax, out_ptr=out.data_ptr())
 
 
 @torch.library.custom_op("fsdp_native::dequantize_copy_out_triton", mutates_args=("outs",))
@@ -420,14 +663,33 @@ def dequantize_copy_out_triton(
     table = _nf4_table(gathered.device)
     fmt = Q.FORMATS.index(format)
     for dtype, idx in _groups(outs).items():
-        rows = [_meta_row(outs[i].data_ptr(), outs[i].numel(), padded_numels[i], row_numels[i], layout.segments[i], 0) for i in idx]
-        counts = [world_size * -(-padded_numels[i] // BLOCK) if outs[i].numel() else 0 for i in idx]
+        live = [i for i in idx if outs[i].numel()]
+        if not live:
+            continue
+        v = 16 // dtype.itemsize
+        if format == Q.FP8_ROWWISE:  # tiles within rows
+            block = _row_block([row_numels[i] for i in live])
+            tiles = [(padded_numels[i] // row_numels[i]) * -(-row_numels[i] // block) if i in live else 0 for i in idx]
+        else:
+            block = max(BLOCK, block_size) if format == Q.NF4 else BLOCK
+            tiles = [-(-padded_numels[i] // block) if i in live else 0 for i in idx]
+        rows = [
+            _meta_row(outs[i].data_ptr(), outs[i].numel(), padded_numels[i], row_numels[i], layout.segments[i], 0, t)
+            for i, t in zip(idx, tiles)
+        ]
+        counts = [world_size * t for t in tiles]
         meta, starts, n = _launch_tables(rows, counts, gathered.device)
-        if n:
-            _dequantize_kernel[(n,)](
-                meta, starts, gathered, rank_stride, table, len(idx),
-                FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, BLOCK=BLOCK, **_OPTS,
-            )  # fmt: skip
+        hint = (
+            _aligned(gathered.data_ptr(), rank_stride, *(outs[i].data_ptr() for i in idx))
+            and all(padded_numels[i] % v == 0 for i in idx)
+            and (format != Q.FP8_ROWWISE or all(row_numels[i] % v == 0 for i in live))
+            and (format != Q.NF4 or block_size % v == 0)
+        )
+        _dequantize_kernel[(n,)](
+            meta, starts, gathered, rank_stride, table, len(idx),
+            FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, BLOCK=block, V=v, HINT=hint,
+            num_warps=_warps(block), **_OPTS,
+        )  # fmt: skip
 
 
 @quantize_copy_in_triton.register_fake

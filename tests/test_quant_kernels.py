@@ -17,6 +17,7 @@
 * every level of CPU kernels this machine has (FSDP_NATIVE_QUANT_ISA=avx512 and portable
   below the default best), the bit-exact tests again in a subprocess each.
 """
+import json
 import math
 import os
 import subprocess
@@ -589,7 +590,91 @@ def triton_main() -> None:
     each program in numpy."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     triton_vs_cpp(torch.device("cpu"))
+    triton_alignment_claims()
     print("triton: all equal")
+
+
+def triton_alignment_claims() -> None:
+    """A launch tells the compiler that its accesses are 16-byte aligned (HINT) exactly when
+    its pointers, strides and rows are: a false claim would make the GPU read and write the
+    wrong bytes, which the interpreter (it ignores the claims) cannot show. So the launches
+    are recorded (and run) and their claims checked."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    Q._import_triton_kernels()
+    ns = torch.ops.fsdp_native
+    seen: list[tuple[str, bool, bool | None]] = []
+    orig = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        seen.append((self.fn.__name__, kwargs["HINT"], kwargs.get("EVEN")))
+        return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    def claims(fn, *args):
+        seen.clear()
+        fn(*args)
+        assert seen, "no launch"
+        return {(name, hint, even) for name, hint, even in seen}
+
+    InterpretedFunction.run = run
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for rows_of, even in ((1024, True), (1000, False)):  # rowwise: whole tiles of 1000 are not
+            x = make_values((8 * rows_of,), bf16, gen)
+            padded, rows = [x.numel()], [rows_of]
+            for fmt in Q.FORMATS:
+                n = Q.unit_layout(padded, rows, fmt).rank_nbytes
+                hint = fmt != Q.FP8_ROWWISE or even
+                for shard, out, want in ((x, torch.empty(n + 16, dtype=torch.uint8)[:n], hint),
+                                         (_off(x, True), torch.empty(n, dtype=torch.uint8), False),
+                                         (x, torch.empty(n + 16, dtype=torch.uint8)[8 : 8 + n], False)):  # fmt: skip
+                    got = claims(ns.quantize_copy_in_triton, [shard], padded, rows, fmt, 64, None, out)
+                    # (the amax pass reads the shard only)
+                    assert {h for k, h, _ in got if k != "_amax_kernel" or shard is not x} == {want}, (fmt, rows_of, got)
+                    if fmt == Q.FP8_ROWWISE:
+                        assert {e for _, _, e in got} == {even}, (rows_of, got)
+                g = torch.zeros(2, n + 16, dtype=torch.uint8)
+                out = torch.empty(2 * x.numel(), dtype=bf16)
+                for gathered, o, want in ((g[:, :n], out, True), (g.view(-1)[: 2 * (n + 4)].view(2, n + 4)[:, :n], out, False),
+                                          (g[:, :n], _off(out, True), False)):  # fmt: skip
+                    got = claims(ns.dequantize_copy_out_triton, gathered, padded, rows, 2, fmt, 64, [o])
+                    assert {h for _, h, _ in got} == {want}, (fmt, rows_of, got)
+        # rows that are not whole runs of 8 bf16: no claim for fp8_rowwise's dequantize
+        x = make_values((8 * 1004,), bf16, gen)
+        n = Q.unit_layout([x.numel()], [1004], Q.FP8_ROWWISE).rank_nbytes
+        got = claims(ns.dequantize_copy_out_triton, torch.zeros(2, n, dtype=torch.uint8), [x.numel()], [1004], 2,
+                     Q.FP8_ROWWISE, 64, [torch.empty(2 * x.numel(), dtype=bf16)])  # fmt: skip
+        assert {h for _, h, _ in got} == {False}, got
+    finally:
+        InterpretedFunction.run = orig
+    print("alignment claims checked")
+
+
+def _ptxas_available() -> bool:
+    if not _triton_available():
+        return False
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
+def test_triton_kernels_compile_to_wide_accesses(tmp_path):
+    """Compiled for an H100 (sm_90, no GPU needed: benchmarks/triton_sass.py), every kernel of
+    a Llama-3-8B layer's quantize and dequantize reads or writes whole tiles 16 bytes per
+    access. The alignment the launches claim only reaches the compiler through hints that
+    are easy to lose (a hint on a function's argument, or on pointers the compiler merges with
+    the masked path's, does nothing); without them every access is one element wide, 3-4x the
+    instructions per element."""
+    out = tmp_path / "sass.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "triton_sass.py"), "--work", "llama", "--json", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {row["op"] for row in rows} >= {"quantize fp8_rowwise", "dequantize nf4", "quantize_amax"}, rows
+    for row in rows:
+        assert row["mem"].get("LDG.128", 0) + row["mem"].get("STG.128", 0) > 0, row
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _triton_available(), reason="needs a GPU and triton")
@@ -689,31 +774,12 @@ def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
     shapes = [(), (1,), (0,), (4, 0), (3, 5), (9, 2), (5, 130)]
     if big:
         shapes += [(1024, 4096 + 3), (3 * 4096 + 5,), (17, 3, 129)]
-    for fmt in Q.FORMATS:
-        for src in (f32, bf16, f16):
-            fulls = [make_values(s, src, gen, special=True) for s in shapes]
-            ws = 3
-            padded = [padded_shard_numel(f.shape, ws) for f in fulls]
-            rows = [row_numel(f.shape) for f in fulls]
-            n = Q.unit_layout(padded, rows, fmt).rank_nbytes
-            chunks = []
-            for r in range(ws):
-                shards = [shards_of(f, p, r) for f, p in zip(fulls, padded)]
-                a = torch.full((n,), 0x11, dtype=torch.uint8)
-                b = torch.full((n,), 0x22, dtype=torch.uint8, device=dev)
-                ns.quantize_copy_in(shards, padded, rows, fmt, 64, None, a)
-                tq(on(shards), padded, rows, fmt, 64, None, b)
-                b = b.cpu()
-                assert torch.equal(a, b), (fmt, src, r, (a != b).nonzero().view(-1)[:8].tolist())
-                chunks.append(a)
-            g = torch.cat(chunks)
-            g[-7:] = 0xFF  # garbage scales / codes too
-            for out_dtype in FLOATS:
-                o1 = [torch.empty(f.numel(), dtype=out_dtype) for f in fulls]
-                o2 = [torch.full((f.numel(),), 3.0, dtype=out_dtype, device=dev) for f in fulls]
-                ns.dequantize_copy_out(g, padded, rows, ws, fmt, 64, o1)
-                tdq(g.to(dev), padded, rows, ws, fmt, 64, o2)
-                assert all(same_bits(x, y.cpu()) for x, y in zip(o1, o2)), (fmt, src, out_dtype)
+    # units of whole tiles (the kernels' unmasked path; fp8_rowwise rows a whole number of
+    # tiles; at 3 ranks the last rank of (7, 1024) holds 2 rows of padding), then misaligned
+    # buffers (every shard, output and gathered buffer one element off a 16-byte boundary)
+    units = [shapes, [(24, 1024), (12, 2048), (7, 1024)], [(6, 2048 + 8), (3, 4096)]]
+    for u, shapes in enumerate(units):
+        _triton_vs_cpp_unit(dev, shapes, gen, misaligned=u == 2)
     # mixed source dtypes in one unit, a given amax, a [world_size, n] view, block sizes, amax op
     shards = [make_values((40,), bf16, gen, special=True), make_values((33,), f32, gen)]
     padded, rows = [40, 34], [8, 17]
@@ -760,6 +826,48 @@ def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
     torch.library.opcheck(tdq, (g, padded, rows, 2, "nf4", 64, on([torch.empty(80), torch.empty(60)])),
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 
+
+
+def _off(t: torch.Tensor, misaligned: bool) -> torch.Tensor:
+    """`t`, or a copy of it one element past a fresh buffer's start (not 16-byte aligned)."""
+    if not misaligned:
+        return t
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    buf[1:].copy_(t.reshape(-1))
+    return buf[1:].view(t.shape)
+
+
+def _triton_vs_cpp_unit(dev, shapes, gen, misaligned: bool) -> None:
+    """triton_vs_cpp's round trip of one unit of `shapes` at 3 ranks, every format and
+    source and destination dtype: quantized bytes and dequantized values bit for bit."""
+    Q._import_triton_kernels()
+    ns = torch.ops.fsdp_native
+    tq, tdq = ns.quantize_copy_in_triton, ns.dequantize_copy_out_triton
+    for fmt in Q.FORMATS:
+        for src in (f32, bf16, f16):
+            fulls = [make_values(s, src, gen, special=True) for s in shapes]
+            ws = 3
+            padded = [padded_shard_numel(f.shape, ws) for f in fulls]
+            rows = [row_numel(f.shape) for f in fulls]
+            n = Q.unit_layout(padded, rows, fmt).rank_nbytes
+            chunks = []
+            for r in range(ws):
+                shards = [shards_of(f, p, r) for f, p in zip(fulls, padded)]
+                a = torch.full((n,), 0x11, dtype=torch.uint8)
+                b = _off(torch.full((n,), 0x22, dtype=torch.uint8, device=dev), misaligned)
+                ns.quantize_copy_in(shards, padded, rows, fmt, 64, None, a)
+                tq([_off(t.to(dev), misaligned) for t in shards], padded, rows, fmt, 64, None, b)
+                b = b.cpu()
+                assert torch.equal(a, b), (shapes, fmt, src, r, (a != b).nonzero().view(-1)[:8].tolist())
+                chunks.append(a)
+            g = torch.cat(chunks)
+            g[-7:] = 0xFF  # garbage scales / codes too
+            for out_dtype in FLOATS:
+                o1 = [torch.empty(f.numel(), dtype=out_dtype) for f in fulls]
+                o2 = [_off(torch.full((f.numel(),), 3.0, dtype=out_dtype, device=dev), misaligned) for f in fulls]
+                ns.dequantize_copy_out(g, padded, rows, ws, fmt, 64, o1)
+                tdq(_off(g.to(dev), misaligned), padded, rows, ws, fmt, 64, o2)
+                assert all(same_bits(x, y.cpu()) for x, y in zip(o1, o2)), (shapes, fmt, src, out_dtype)
 
 if __name__ == "__main__" and "--triton" in sys.argv:
     triton_main()
