@@ -591,7 +591,59 @@ def triton_main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     triton_vs_cpp(torch.device("cpu"))
     triton_alignment_claims()
+    triton_random_units()
     print("triton: all equal")
+
+
+_DIMS = st.sampled_from([1, 2, 3, 5, 8, 16, 64, 128, 130, 256, 1000, 1024, 2048])
+
+
+@st.composite
+def _units(draw):
+    """A unit of 1-3 parameters of 0-3 dims (whole tiles, padding rows, short and long rows
+    likely), at most 24K elements each and 256 rows."""
+    shapes = []
+    for _ in range(draw(st.integers(1, 3))):
+        dims = draw(st.lists(_DIMS, min_size=0, max_size=3))
+        while math.prod(dims) > 24 * 1024 or (dims and math.prod(dims) // max(row_numel(dims), 1) > 256):
+            dims = dims[1:]
+        shapes.append(tuple(dims))
+    return shapes
+
+
+def triton_random_units() -> None:
+    """Random units, world sizes, formats, dtypes and alignments: the Triton ops bit for bit
+    against the C++ ones (their index math: whole and masked tiles, rows, ranks)."""
+    Q._import_triton_kernels()
+    ns = torch.ops.fsdp_native
+
+    @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(_units(), st.sampled_from([1, 2, 3, 8]), st.sampled_from(Q.FORMATS), st.sampled_from(FLOATS),
+           st.sampled_from(FLOATS), st.booleans(), st.integers(0, 2**16))  # fmt: skip
+    def check(shapes, ws, fmt, src, out_dtype, misaligned, seed):
+        gen = torch.Generator().manual_seed(seed)
+        fulls = [make_values(sh, src, gen, special=True) for sh in shapes]
+        padded = [padded_shard_numel(f.shape, ws) for f in fulls]
+        rows = [row_numel(f.shape) for f in fulls]
+        n = Q.unit_layout(padded, rows, fmt).rank_nbytes
+        chunks = []
+        for r in range(ws):
+            shards = [shards_of(f, p, r) for f, p in zip(fulls, padded)]
+            a = torch.full((n,), 0x11, dtype=torch.uint8)
+            b = _off(torch.full((n,), 0x22, dtype=torch.uint8), misaligned)
+            ns.quantize_copy_in(shards, padded, rows, fmt, 64, None, a)
+            ns.quantize_copy_in_triton([_off(t, misaligned) for t in shards], padded, rows, fmt, 64, None, b)
+            assert torch.equal(a, b), (shapes, ws, fmt, src, r, (a != b).nonzero().view(-1)[:8].tolist())
+            chunks.append(a)
+        g = torch.cat(chunks)
+        o1 = [torch.empty(f.numel(), dtype=out_dtype) for f in fulls]
+        o2 = [_off(torch.full((f.numel(),), 3.0, dtype=out_dtype), misaligned) for f in fulls]
+        ns.dequantize_copy_out(g, padded, rows, ws, fmt, 64, o1)
+        ns.dequantize_copy_out_triton(_off(g, misaligned), padded, rows, ws, fmt, 64, o2)
+        assert all(same_bits(x, y) for x, y in zip(o1, o2)), (shapes, ws, fmt, src, out_dtype)
+
+    check()
+    print("random units equal")
 
 
 def triton_alignment_claims() -> None:
