@@ -711,17 +711,18 @@ def _ptxas_available() -> bool:
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its bundled ptxas")
-def test_triton_kernels_compile_to_wide_accesses(tmp_path):
-    """Compiled for an H100 (sm_90, no GPU needed: benchmarks/triton_sass.py), every kernel of
-    a Llama-3-8B layer's quantize and dequantize reads or writes whole tiles 16 bytes per
-    access. The alignment the launches claim only reaches the compiler through hints that
+@pytest.mark.parametrize("arch", [90, 80])
+def test_triton_kernels_compile_to_wide_accesses(tmp_path, arch):
+    """Compiled for an H100 and an A100 (sm_90, sm_80; no GPU needed: benchmarks/triton_sass.py),
+    every kernel of a Llama-3-8B layer's quantize and dequantize reads or writes whole tiles
+    16 bytes per access. The alignment the launches claim only reaches the compiler through hints that
     are easy to lose (a hint on a function's argument, or on pointers the compiler merges with
     the masked path's, does nothing); without them every access is one element wide, 3-4x the
     instructions per element."""
     out = tmp_path / "sass.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "triton_sass.py"), "--work", "llama", "--json", str(out)],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "triton_sass.py"), "--work", "llama", "--json", str(out),
+                        "--arch", str(arch)], cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert {row["op"] for row in rows} >= {"quantize fp8_rowwise", "dequantize nf4", "quantize_amax"}, rows
