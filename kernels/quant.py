@@ -19,6 +19,8 @@ in its schema stays correct under torch.compile.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -546,9 +548,47 @@ def _fp8_tiles(padded: int, row: int, rowwise: bool, block: int) -> int:
     return (padded // row) * -(-row // block) if rowwise else -(-padded // block)
 
 
-def _fp8_launch(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, device, *args, tiles: int = 0, out_ptr: int = 0) -> None:
+class _Launch(NamedTuple):
+    """One kernel launch of a plan: the grid, its tables, its other arguments (names of the
+    call's tensors, "out", "amax", "bits", "gathered", "table", or values) and constexprs."""
+
+    kernel: object
+    n: int
+    meta: torch.Tensor
+    starts: torch.Tensor
+    args: tuple
+    kwargs: dict
+
+
+# The launches of a call, by everything they depend on (the tensors' addresses, sizes, dtypes,
+# devices and layouts, the unit's sizes, the format): a unit makes the same calls every step,
+# so its launches are worked out, and its arguments checked, at its first call only. A plan
+# holds no tensor of the call (only the device tables), so it keeps no buffer alive.
+_PLANS: dict[tuple, tuple[int, list[_Launch]]] = {}
+_PLANS_MAX = 1024
+
+
+def _tkey(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+
+
+def _remember(key: tuple, plan):
+    if len(_PLANS) >= _PLANS_MAX:  # the oldest first
+        del _PLANS[next(iter(_PLANS))]
+    _PLANS[key] = plan
+    return plan
+
+
+def _run(launches: list[_Launch], env: dict) -> None:
+    for L in launches:
+        L.kernel[(L.n,)](L.meta, L.starts, *(env[a] if isinstance(a, str) else a for a in L.args), **L.kwargs)
+
+
+def _fp8_launches(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, device, args: tuple,
+                  tiles: int = 0, out_ptr: int = 0) -> list[_Launch]:  # fmt: skip
     """One launch of ``kernel`` per source dtype over every fp8 tile of the unit (``tiles``
     tiles per program for the amax kernel; ``out_ptr``: where the codes go)."""
+    launches = []
     for dtype, idx in _groups(shards).items():
         rows = [_meta_row(shards[i].data_ptr(), shards[i].numel(), padded_numels[i], row_numels[i], segs[i], aidx[i]) for i in idx]
         counts = [_fp8_tiles(padded_numels[i], row_numels[i], rowwise, BLOCK * max(tiles, 1)) for i in idx]
@@ -559,10 +599,10 @@ def _fp8_launch(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, 
         )
         extra = {"TILES": tiles} if tiles else {}
         if n:
-            kernel[(n,)](
-                meta, starts, *args, len(idx), SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK,
-                V=v, HINT=hint, **extra, **_OPTS,
-            )  # fmt: skip
+            launches.append(_Launch(kernel, n, meta, starts, args + (len(idx),), dict(
+                SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK, V=v, HINT=hint, **extra, **_OPTS,
+            )))  # fmt: skip
+    return launches
 
 
 def _row_block(rows: list[int]) -> int:
@@ -573,8 +613,9 @@ def _row_block(rows: list[int]) -> int:
     return even if even >= 128 else min(BLOCK, max(16, 1 << (max(rows) - 1).bit_length()))
 
 
-def _fp8_rows_launch(shards, padded_numels, row_numels, segs, out) -> None:
+def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_Launch]:
     """fp8_rowwise by one program per row, for rows of at most ROW_FUSE_MAX elements."""
+    launches = []
     for dtype, idx in _groups(shards).items():
         live = [i for i in idx if padded_numels[i]]
         if not live:
@@ -587,19 +628,27 @@ def _fp8_rows_launch(shards, padded_numels, row_numels, segs, out) -> None:
         even = all(row_numels[i] % block == 0 for i in live)
         nt = -(-max(row_numels[i] for i in live) // block)
         hint = even and _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block % v == 0
-        _fp8_rows_kernel[(n,)](
-            meta, starts, out, len(idx), SRC=_KIND[dtype], LOG2=_log2(len(idx)), BLOCK=block, NT=nt, V=v, HINT=hint,
-            EVEN=even, num_warps=_warps(block), **_OPTS,
-        )  # fmt: skip
+        launches.append(_Launch(_fp8_rows_kernel, n, meta, starts, ("out", len(idx)), dict(
+            SRC=_KIND[dtype], LOG2=_log2(len(idx)), BLOCK=block, NT=nt, V=v, HINT=hint, EVEN=even,
+            num_warps=_warps(block), **_OPTS,
+        )))  # fmt: skip
+    return launches
 
 
 @torch.library.custom_op("fsdp_native::quantize_amax_triton", mutates_args=("out",))
 def quantize_amax_triton(shards: list[torch.Tensor], out: torch.Tensor) -> None:
-    Q.check_amax_args(shards, out)
-    bits = torch.zeros(len(shards), dtype=torch.int32, device=out.device)
-    numels = [s.numel() for s in shards]
-    empty = [Q.Segment(0, 0, 0, 0, 0)] * len(shards)
-    _fp8_launch(_amax_kernel, shards, numels, [1] * len(shards), empty, False, range(len(shards)), out.device, bits, tiles=AMAX_TILES)
+    key = ("amax", out.dtype, tuple(out.shape), out.device, tuple(_tkey(s) for s in shards))
+    plan = _PLANS.get(key)
+    if plan is None:
+        Q.check_amax_args(shards, out)
+        numels = [s.numel() for s in shards]
+        empty = [Q.Segment(0, 0, 0, 0, 0)] * len(shards)
+        plan = _remember(key, (len(shards), _fp8_launches(
+            _amax_kernel, shards, numels, [1] * len(shards), empty, False, range(len(shards)), out.device, ("bits",),
+            tiles=AMAX_TILES,
+        )))  # fmt: skip
+    bits = torch.zeros(plan[0], dtype=torch.int32, device=out.device)
+    _run(plan[1], {"bits": bits})
     out.copy_(bits.view(torch.float32))
 
 
@@ -613,9 +662,26 @@ def quantize_copy_in_triton(
     amax: torch.Tensor | None,
     out: torch.Tensor,
 ) -> None:
-    layout = Q.check_quantize_args(shards, padded_numels, row_numels, format, block_size, amax, out)
+    key = (
+        "quantize", format, block_size, tuple(padded_numels), tuple(row_numels), _tkey(out),
+        None if amax is None else (amax.dtype, tuple(amax.shape), amax.device), tuple(_tkey(s) for s in shards),
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        layout = Q.check_quantize_args(shards, padded_numels, row_numels, format, block_size, amax, out)
+        plan = _remember(key, _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax is not None, out, layout))
+    env = {"out": out, "amax": amax}
+    if plan[0]:  # the amaxes of this call, made by its first launch
+        bits = env["bits"] = torch.zeros(plan[0], dtype=torch.int32, device=out.device)
+        env["amax"] = bits.view(torch.float32)
+    _run(plan[1], env)
+
+
+def _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax_given, out, layout) -> tuple[int, list[_Launch]]:
+    """(elements of the amax array to make, 0 for none; the launches)."""
     segs = layout.segments
     if format == Q.NF4:
+        launches = []
         for dtype, idx in _groups(shards).items():
             nb = _nf4_blocks_per_program(block_size)
             rows = [_meta_row(shards[i].data_ptr(), shards[i].numel(), padded_numels[i], row_numels[i], segs[i], 0) for i in idx]
@@ -624,15 +690,14 @@ def quantize_copy_in_triton(
             v = 16 // dtype.itemsize
             hint = _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block_size % v == 0
             if n:
-                _nf4_quantize_kernel[(n,)](
-                    meta, starts, out, len(idx), SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, V=v,
-                    HINT=hint, num_warps=8, **_OPTS,  # 16 elements a thread: 58 registers, not 168
-                )  # fmt: skip
-        return
+                launches.append(_Launch(_nf4_quantize_kernel, n, meta, starts, ("out", len(idx)), dict(
+                    SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, V=v, HINT=hint,
+                    num_warps=8, **_OPTS,  # 16 elements a thread: 58 registers, not 168
+                )))  # fmt: skip
+        return 0, launches
     rowwise = format == Q.FP8_ROWWISE
     if rowwise and max(row_numels, default=0) <= ROW_FUSE_MAX:
-        _fp8_rows_launch(shards, padded_numels, row_numels, segs, out)
-        return
+        return 0, _fp8_rows_launches(shards, padded_numels, row_numels, segs, out)
     if rowwise:  # amax of every row of the unit, then the codes
         aidx, total = [], 0
         for s in segs:
@@ -640,12 +705,13 @@ def quantize_copy_in_triton(
             total += s.n_scales
     else:
         aidx, total = list(range(len(shards))), len(shards)
-    if amax is None:
-        bits = torch.zeros(total, dtype=torch.int32, device=out.device)
-        _fp8_launch(_amax_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device, bits,
-                    tiles=1 if rowwise else AMAX_TILES)  # fmt: skip
-        amax = bits.view(torch.float32)
-    _fp8_launch(_fp8_quantize_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device, out, amax, out_ptr=out.data_ptr())
+    launches = []
+    if not amax_given:
+        launches += _fp8_launches(_amax_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device, ("bits",),
+                                  tiles=1 if rowwise else AMAX_TILES)  # fmt: skip
+    launches += _fp8_launches(_fp8_quantize_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device,
+                              ("out", "amax"), out_ptr=out.data_ptr())  # fmt: skip
+    return (0 if amax_given else total), launches
 
 
 @torch.library.custom_op("fsdp_native::dequantize_copy_out_triton", mutates_args=("outs",))
@@ -658,10 +724,21 @@ def dequantize_copy_out_triton(
     block_size: int,
     outs: list[torch.Tensor],
 ) -> None:
-    layout = Q.check_dequantize_args(gathered, padded_numels, row_numels, world_size, format, block_size, outs)
+    key = (
+        "dequantize", format, block_size, world_size, tuple(padded_numels), tuple(row_numels), _tkey(gathered),
+        tuple(_tkey(o) for o in outs),
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        layout = Q.check_dequantize_args(gathered, padded_numels, row_numels, world_size, format, block_size, outs)
+        plan = _remember(key, (0, _dequantize_launches(gathered, padded_numels, row_numels, world_size, format, block_size, outs, layout)))
+    _run(plan[1], {"gathered": gathered, "table": _nf4_table(gathered.device)})
+
+
+def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format, block_size, outs, layout) -> list[_Launch]:
     rank_stride = gathered.stride(0) if gathered.dim() == 2 else layout.rank_nbytes
-    table = _nf4_table(gathered.device)
     fmt = Q.FORMATS.index(format)
+    launches = []
     for dtype, idx in _groups(outs).items():
         live = [i for i in idx if outs[i].numel()]
         if not live:
@@ -685,11 +762,11 @@ def dequantize_copy_out_triton(
             and (format != Q.FP8_ROWWISE or all(row_numels[i] % v == 0 for i in live))
             and (format != Q.NF4 or block_size % v == 0)
         )
-        _dequantize_kernel[(n,)](
-            meta, starts, gathered, rank_stride, table, len(idx),
+        launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, "table", len(idx)), dict(
             FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, BLOCK=block, V=v, HINT=hint,
             num_warps=_warps(block), **_OPTS,
-        )  # fmt: skip
+        )))  # fmt: skip
+    return launches
 
 
 @quantize_copy_in_triton.register_fake

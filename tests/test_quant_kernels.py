@@ -862,6 +862,40 @@ def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
     assert K._TABLES.keys() == cached.keys() and all(K._TABLES[k] is v for k, v in cached.items())
     tq([t.clone() for t in dshards], padded, rows, "fp8_rowwise", 64, None, o2)  # other sources: other tables
     assert len(K._TABLES) > len(cached) and torch.equal(o1, o2)
+    # a call like an earlier one reuses its plan without checking its arguments again; a plan
+    # keeps none of the call's tensors alive; a call that differs in anything checked is
+    # checked (and fails with the op's message)
+    import gc
+    import weakref
+
+    checks = []
+    real_check = Q.check_quantize_args
+    Q.check_quantize_args = lambda *a: checks.append(1) or real_check(*a)
+    try:
+        plans = len(K._PLANS)
+        tq(dshards, padded, rows, "fp8_rowwise", 64, None, o1)
+        assert checks == [] and len(K._PLANS) == plans
+        tq(dshards, padded, rows, "fp8_tensorwise", 64, None, torch.empty(Q.unit_layout(padded, rows, "fp8_tensorwise").rank_nbytes,
+                                                                         dtype=torch.uint8, device=dev))  # fmt: skip
+        assert checks == [1] and len(K._PLANS) == plans + 1
+        for bad, message in ((torch.ones(3, device=dev), "argument 'amax' has 3 elements, expected 2"),
+                             (torch.ones(2, device=dev, dtype=torch.float64), "argument 'amax' has dtype torch.float64")):  # fmt: skip
+            n8 = Q.unit_layout(padded, rows, "fp8_tensorwise").rank_nbytes
+            try:
+                tq(dshards, padded, rows, "fp8_tensorwise", 64, bad, torch.empty(n8, dtype=torch.uint8, device=dev))
+                raise AssertionError("no error")
+            except RuntimeError as e:
+                assert message in str(e), str(e)
+    finally:
+        Q.check_quantize_args = real_check
+    out_buf = torch.empty(n, dtype=torch.uint8, device=dev)
+    g_buf, w_out = torch.zeros(2, n, dtype=torch.uint8, device=dev), torch.empty(80, dtype=bf16, device=dev)
+    refs = [weakref.ref(t) for t in (out_buf, g_buf, w_out)]
+    tq(dshards, padded, rows, "fp8_rowwise", 64, None, out_buf)
+    tdq(g_buf, padded, rows, 2, "fp8_rowwise", 64, [w_out, torch.empty(60, device=dev)])
+    del out_buf, g_buf, w_out
+    gc.collect()
+    assert all(r() is None for r in refs), "a plan keeps a buffer of the call alive"
     m1, m2 = torch.empty(2), torch.empty(2, device=dev)
     ns.quantize_amax(shards, m1)
     ns.quantize_amax_triton(on(shards), m2)
