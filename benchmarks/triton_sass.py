@@ -64,9 +64,6 @@ def record_launches(mod, work: list[tuple[int, ...]]) -> list[tuple[str, str, di
     from fsdp_native import ops
     from fsdp_native import quant as Q
 
-    def raw(op):  # the function behind the custom op (the module loaded for the GPU registered it too)
-        return getattr(op, "_init_fn", op)
-
     launches: list = []
     current = [""]
     orig = InterpretedFunction.run
@@ -84,16 +81,16 @@ def record_launches(mod, work: list[tuple[int, ...]]) -> list[tuple[str, str, di
         for fmt in Q.FORMATS:
             out = torch.empty(Q.unit_layout(padded, rows, fmt).rank_nbytes, dtype=torch.uint8)
             current[0] = f"quantize {fmt}"
-            raw(mod.quantize_copy_in_triton)(shards, padded, rows, fmt, 64, None, out)
+            mod.quantize_copy_in_eager(shards, padded, rows, fmt, 64, None, out)
             if fmt == Q.FP8_TENSORWISE:
                 current[0] = "quantize fp8_tensorwise, amax given"
-                raw(mod.quantize_copy_in_triton)(shards, padded, rows, fmt, 64, torch.ones(len(shards)), out)
+                mod.quantize_copy_in_eager(shards, padded, rows, fmt, 64, torch.ones(len(shards)), out)
                 current[0] = "quantize_amax"
-                raw(mod.quantize_amax_triton)(shards, torch.empty(len(shards)))
+                mod.quantize_amax_eager(shards, torch.empty(len(shards)))
             gathered = out.repeat(WORLD_SIZE)
             outs = [torch.empty(s[0] * s[1], dtype=torch.bfloat16) for s in work]
             current[0] = f"dequantize {fmt}"
-            raw(mod.dequantize_copy_out_triton)(gathered, padded, rows, WORLD_SIZE, fmt, 64, outs)
+            mod.dequantize_copy_out_eager(gathered, padded, rows, WORLD_SIZE, fmt, 64, outs)
     finally:
         InterpretedFunction.run = orig
     return [(op, name, dict(launch, numel=numel if op.startswith(("quantize", "quantize_amax")) else numel * WORLD_SIZE)) for op, name, launch in launches]

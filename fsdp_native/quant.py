@@ -61,14 +61,16 @@ garbage scales taken as valid.
 
 Devices: CPU tensors run the C++ kernels (``torch.ops.fsdp_native.quantize_copy_in``, ...),
 CUDA tensors the Triton kernels (``torch.ops.fsdp_native.quantize_copy_in_triton``, ..., from
-``fsdp_native.kernels.quant``, loaded on first use).
+``fsdp_native.kernels.quant``, loaded on first use; in eager mode their implementations are
+called without the dispatcher).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 from dataclasses import dataclass
 
 import torch
@@ -320,7 +322,7 @@ def check_amax_args(shards, out) -> None:
 # --------------------------------------------------------------------------------------------
 # the ops: C++ on CPU, Triton on CUDA
 
-_triton_ops = None
+_triton_ops: tuple | None = None  # (eager, traced) _Ops of the Triton kernels, once imported
 
 
 def _import_triton_kernels() -> None:
@@ -344,19 +346,39 @@ def _import_triton_kernels() -> None:
     import fsdp_native.kernels.quant  # noqa: F401,F811
 
 
-def _ops_for(t: torch.Tensor):
-    """The op namespace for tensors on ``t``'s device: C++ kernels on CPU, Triton on CUDA."""
+class _Ops(NamedTuple):
+    """The quantize / dequantize / amax callables for one device; ``bumps_versions``: they are
+    ``custom_op``s that mutate their outputs, which bumps the outputs' autograd versions."""
+
+    quantize: Callable
+    dequantize: Callable
+    amax: Callable
+    bumps_versions: bool
+
+
+def _ops_for(t: torch.Tensor) -> _Ops:
+    """The ops for tensors on ``t``'s device: C++ kernels on CPU, Triton on CUDA. In eager mode
+    the Triton ops' implementations are called directly: through the dispatcher a
+    ``custom_op`` costs tens of microseconds of host time per call (more than the op's own
+    host work), which small units pay at every all-gather. torch.compile traces the
+    registered ops."""
     global _triton_ops
     if t.device.type != "cuda":
-        return torch.ops.fsdp_native.quantize_copy_in, torch.ops.fsdp_native.dequantize_copy_out, torch.ops.fsdp_native.quantize_amax
+        ns = torch.ops.fsdp_native
+        return _Ops(ns.quantize_copy_in, ns.dequantize_copy_out, ns.quantize_amax, False)
     if _triton_ops is None:
         try:
             _import_triton_kernels()
         except ImportError as e:
             raise RuntimeError(f"fsdp_native.quant on CUDA tensors needs Triton, which could not be imported ({e})") from e
+        from fsdp_native.kernels import quant as K
+
         ns = torch.ops.fsdp_native
-        _triton_ops = (ns.quantize_copy_in_triton, ns.dequantize_copy_out_triton, ns.quantize_amax_triton)
-    return _triton_ops
+        _triton_ops = (
+            _Ops(K.quantize_copy_in_eager, K.dequantize_copy_out_eager, K.quantize_amax_eager, False),
+            _Ops(ns.quantize_copy_in_triton, ns.dequantize_copy_out_triton, ns.quantize_amax_triton, True),
+        )
+    return _triton_ops[1] if torch.compiler.is_compiling() else _triton_ops[0]
 
 
 def quantize_copy_in(
@@ -375,7 +397,7 @@ def quantize_copy_in(
     ``unit_layout(...).rank_nbytes`` bytes: one call for the whole unit. ``amax``
     (fp8_tensorwise only): float32, one per shard, e.g. all-reduced maxima of
     :func:`quantize_amax`; by default each shard's own."""
-    _ops_for(out)[0](list(shards), [int(p) for p in padded_numels], [int(r) for r in row_numels], format, int(block_size), amax, out)
+    _ops_for(out).quantize(list(shards), [int(p) for p in padded_numels], [int(r) for r in row_numels], format, int(block_size), amax, out)
 
 
 def dequantize_copy_out(
@@ -397,20 +419,20 @@ def dequantize_copy_out(
     (the Triton op, a ``custom_op`` that mutates ``outs``, bumps them): the outputs are
     unsharded parameters that the backward saved in the forward and that an all-gather
     refills before it uses them."""
-    op = _ops_for(gathered)[1]
+    ops = _ops_for(gathered)
     args = (gathered, [int(p) for p in padded_numels], [int(r) for r in row_numels], int(world_size), format, int(block_size), list(outs))
-    if op is torch.ops.fsdp_native.dequantize_copy_out:
-        op(*args)
+    if not ops.bumps_versions:
+        ops.dequantize(*args)
         return
     with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-        op(*args)
+        ops.dequantize(*args)
 
 
 def quantize_amax(shards: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """``out[i]`` = the largest |x| over the finite values of ``shards[i]`` (0 if none), in one
     call for the unit; ``out`` is float32 with one element per shard. All-reduce it (MAX) and
     pass it to :func:`quantize_copy_in` as ``amax`` for a global tensorwise scale."""
-    _ops_for(out)[2](list(shards), out)
+    _ops_for(out).amax(list(shards), out)
 
 
 @torch.library.register_fake("fsdp_native::quantize_copy_in")

@@ -635,8 +635,7 @@ def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_La
     return launches
 
 
-@torch.library.custom_op("fsdp_native::quantize_amax_triton", mutates_args=("out",))
-def quantize_amax_triton(shards: list[torch.Tensor], out: torch.Tensor) -> None:
+def quantize_amax_eager(shards: list[torch.Tensor], out: torch.Tensor) -> None:
     key = ("amax", out.dtype, tuple(out.shape), out.device, tuple(_tkey(s) for s in shards))
     plan = _PLANS.get(key)
     if plan is None:
@@ -652,8 +651,7 @@ def quantize_amax_triton(shards: list[torch.Tensor], out: torch.Tensor) -> None:
     out.copy_(bits.view(torch.float32))
 
 
-@torch.library.custom_op("fsdp_native::quantize_copy_in_triton", mutates_args=("out",))
-def quantize_copy_in_triton(
+def quantize_copy_in_eager(
     shards: list[torch.Tensor],
     padded_numels: list[int],
     row_numels: list[int],
@@ -714,8 +712,7 @@ def _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax_g
     return (0 if amax_given else total), launches
 
 
-@torch.library.custom_op("fsdp_native::dequantize_copy_out_triton", mutates_args=("outs",))
-def dequantize_copy_out_triton(
+def dequantize_copy_out_eager(
     gathered: torch.Tensor,
     padded_numels: list[int],
     row_numels: list[int],
@@ -767,6 +764,17 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
             num_warps=_warps(block), **_OPTS,
         )))  # fmt: skip
     return launches
+
+
+# The ops (what torch.compile traces; fsdp_native.quant calls the *_eager functions directly in
+# eager mode, without the dispatcher's cost per call).
+quantize_amax_triton = torch.library.custom_op("fsdp_native::quantize_amax_triton", mutates_args=("out",))(quantize_amax_eager)
+quantize_copy_in_triton = torch.library.custom_op("fsdp_native::quantize_copy_in_triton", mutates_args=("out",))(
+    quantize_copy_in_eager
+)
+dequantize_copy_out_triton = torch.library.custom_op("fsdp_native::dequantize_copy_out_triton", mutates_args=("outs",))(
+    dequantize_copy_out_eager
+)
 
 
 @quantize_copy_in_triton.register_fake

@@ -789,9 +789,12 @@ ns = torch.ops.fsdp_native
 fmt, padded, rows = "fp8_rowwise", [64], [8]
 chunk = torch.empty(Q.unit_layout(padded, rows, fmt).rank_nbytes, dtype=torch.uint8)
 Q.quantize_copy_in([torch.linspace(-2, 2, 64)], padded, rows, chunk, format=fmt)
-for name, ops in (("C++", None), ("Triton", (ns.quantize_copy_in_triton, ns.dequantize_copy_out_triton, ns.quantize_amax_triton))):
+from fsdp_native.kernels import quant as K
+for name, ops in (("C++", None),
+                  ("Triton op", Q._Ops(ns.quantize_copy_in_triton, ns.dequantize_copy_out_triton, ns.quantize_amax_triton, True)),
+                  ("Triton eager", Q._Ops(K.quantize_copy_in_eager, K.dequantize_copy_out_eager, K.quantize_amax_eager, False))):
     if ops is not None:
-        Q._ops_for = lambda t: ops  # the CUDA path's ops, on CPU tensors (interpreted)
+        Q._ops_for = lambda t: ops  # the CUDA path's ops (traced, and eager), on CPU tensors (interpreted)
     w = torch.zeros(2 * 64)
     saved = w.view(16, 8)  # as autograd saves an unsharded parameter in the forward
     before = saved._version
