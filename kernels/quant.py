@@ -310,6 +310,23 @@ def _fp8_quantize_kernel(
 
 
 @triton.jit
+def _row_codes(src, codes, lo, row, numel, SRC: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr,
+               NT: tl.constexpr, V: tl.constexpr):  # fmt: skip
+    """The amax of the row at element ``lo``, then its codes (FULL: whole tiles of data);
+    returns its scale."""
+    m = tl.full([], 0, tl.int32)
+    for k in range(NT):
+        if k * BLOCK < row:
+            m = tl.maximum(m, _tile_amax(src, lo + k * BLOCK, lo + row, numel, SRC, FULL, HINT, BLOCK, V))
+    scale = _fp8_scale(m.to(tl.float32, bitcast=True))
+    inv = tl.math.div_rn(1.0, scale)
+    for k in range(NT):
+        if k * BLOCK < row:
+            _tile_codes(src, codes, lo + k * BLOCK, lo + row, numel, inv, SRC, FULL, HINT, BLOCK, V)
+    return scale
+
+
+@triton.jit
 def _fp8_rows_kernel(
     meta, starts, out, n_params,
     SRC: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
@@ -323,21 +340,13 @@ def _fp8_rows_kernel(
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     row = _load_meta(meta, p, 3)
-    lo = r * row  # a row is all data or all padding (numel and padded are whole rows)
+    lo = r * row
     codes = out + _load_meta(meta, p, 4)
     scales = (out + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
-    if lo < numel:
-        m = tl.full([], 0, tl.int32)
-        for k in range(NT):
-            a = lo + k * BLOCK
-            if k * BLOCK < row:
-                m = tl.maximum(m, _tile_amax(src, a, lo + row, numel, SRC, EVEN, HINT, BLOCK, V))
-        scale = _fp8_scale(m.to(tl.float32, bitcast=True))
-        inv = tl.math.div_rn(1.0, scale)
-        for k in range(NT):
-            a = lo + k * BLOCK
-            if k * BLOCK < row:
-                _tile_codes(src, codes, a, lo + row, numel, inv, SRC, EVEN, HINT, BLOCK, V)
+    if lo + row <= numel:  # a row of data (a sharded parameter's rows are all data or padding)
+        scale = _row_codes(src, codes, lo, row, numel, SRC, EVEN, HINT, BLOCK, NT, V)
+    elif lo < numel:  # a row that the shard's end cuts (callers that do not shard by rows)
+        scale = _row_codes(src, codes, lo, row, numel, SRC, False, HINT, BLOCK, NT, V)
     else:
         scale = tl.full([], 1.0, tl.float32)
         j = tl.arange(0, BLOCK)

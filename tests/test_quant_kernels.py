@@ -836,6 +836,15 @@ def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
     units = [shapes, [(24, 1024), (12, 2048), (7, 1024)], [(6, 2048 + 8), (3, 4096)]]
     for u, shapes in enumerate(units):
         _triton_vs_cpp_unit(dev, shapes, gen, misaligned=u == 2)
+    # shards that end within a row (the ops allow any numel up to the padded size)
+    for fmt in Q.FORMATS:
+        shards = [make_values((1000,), bf16, gen, special=True), make_values((3000,), f32, gen, special=True)]
+        padded, rows = [2048, 4096], [1024, 2048]
+        n = Q.unit_layout(padded, rows, fmt).rank_nbytes
+        a, b = torch.zeros(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8, device=dev)
+        ns.quantize_copy_in(shards, padded, rows, fmt, 64, None, a)
+        tq(on(shards), padded, rows, fmt, 64, None, b)
+        assert torch.equal(a, b.cpu()), (fmt, (a != b.cpu()).nonzero().view(-1)[:8].tolist())
     # mixed source dtypes in one unit, a given amax, a [world_size, n] view, block sizes, amax op
     shards = [make_values((40,), bf16, gen, special=True), make_values((33,), f32, gen)]
     padded, rows = [40, 34], [8, 17]
