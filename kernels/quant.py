@@ -61,23 +61,30 @@ _OPTS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 
 
 @triton.jit
-def _src_ptrs(addr, j, SRC: tl.constexpr, HINT: tl.constexpr = False, V: tl.constexpr = 1):
-    """Pointers to elements ``j`` (1-D, or 2-D with contiguous rows) of a tensor of dtype SRC
-    (0 fp32, 1 bf16 as its bits, 2 f16) at raw address ``addr``; HINT: as runs of V elements,
-    each starting 16-byte aligned. (A hint acts only in the function that made the pointers,
-    hence here.)"""
-    if SRC == 0:
+def _typed_ptrs(addr, j, KIND: tl.constexpr, HINT: tl.constexpr = False, V: tl.constexpr = 1):
+    """Pointers to elements ``j`` (1-D, or 2-D with contiguous rows) at raw address ``addr``,
+    of KIND 0 fp32, 1 uint16, 2 fp16, 3 uint32; HINT: as runs of V elements, each starting
+    16-byte aligned. (A hint acts only in the function that made the pointers, hence here.)"""
+    if KIND == 0:
         p = addr.to(tl.pointer_type(tl.float32)) + j
-    elif SRC == 1:
+    elif KIND == 1:
         p = addr.to(tl.pointer_type(tl.uint16)) + j
-    else:
+    elif KIND == 2:
         p = addr.to(tl.pointer_type(tl.float16)) + j
+    else:
+        p = addr.to(tl.pointer_type(tl.uint32)) + j
     if HINT:
         if len(j.shape) == 1:
             p = tl.max_contiguous(tl.multiple_of(p, 16), V)
         else:
             p = tl.max_contiguous(tl.multiple_of(p, [16, 16]), [1, V])
     return p
+
+
+@triton.jit
+def _src_ptrs(addr, j, SRC: tl.constexpr, HINT: tl.constexpr = False, V: tl.constexpr = 1):
+    """A source of dtype SRC (0 fp32, 1 bf16 as its bits, 2 f16)."""
+    return _typed_ptrs(addr, j, SRC, HINT, V)
 
 
 @triton.jit
@@ -105,17 +112,8 @@ def _widen(x, SRC: tl.constexpr):
 
 @triton.jit
 def _out_ptrs(addr, j, OUT: tl.constexpr, HINT: tl.constexpr = False, V: tl.constexpr = 1):
-    """As _src_ptrs, for the bits of an OUT (0 fp32, else 16-bit) destination."""
-    if OUT == 0:
-        p = addr.to(tl.pointer_type(tl.uint32)) + j
-    else:
-        p = addr.to(tl.pointer_type(tl.uint16)) + j
-    if HINT:
-        if len(j.shape) == 1:
-            p = tl.max_contiguous(tl.multiple_of(p, 16), V)
-        else:
-            p = tl.max_contiguous(tl.multiple_of(p, [16, 16]), [1, V])
-    return p
+    """The bits of a destination of dtype OUT (0 fp32, else 16-bit)."""
+    return _typed_ptrs(addr, j, 3 if OUT == 0 else 1, HINT, V)
 
 
 # --------------------------------------------------------------------------------------------

@@ -614,33 +614,14 @@ def _units(draw):
 def triton_random_units() -> None:
     """Random units, world sizes, formats, dtypes and alignments: the Triton ops bit for bit
     against the C++ ones (their index math: whole and masked tiles, rows, ranks)."""
-    Q._import_triton_kernels()
-    ns = torch.ops.fsdp_native
 
     @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(_units(), st.sampled_from([1, 2, 3, 8]), st.sampled_from(Q.FORMATS), st.sampled_from(FLOATS),
            st.sampled_from(FLOATS), st.booleans(), st.integers(0, 2**16))  # fmt: skip
     def check(shapes, ws, fmt, src, out_dtype, misaligned, seed):
         gen = torch.Generator().manual_seed(seed)
-        fulls = [make_values(sh, src, gen, special=True) for sh in shapes]
-        padded = [padded_shard_numel(f.shape, ws) for f in fulls]
-        rows = [row_numel(f.shape) for f in fulls]
-        n = Q.unit_layout(padded, rows, fmt).rank_nbytes
-        chunks = []
-        for r in range(ws):
-            shards = [shards_of(f, p, r) for f, p in zip(fulls, padded)]
-            a = torch.full((n,), 0x11, dtype=torch.uint8)
-            b = _off(torch.full((n,), 0x22, dtype=torch.uint8), misaligned)
-            ns.quantize_copy_in(shards, padded, rows, fmt, 64, None, a)
-            ns.quantize_copy_in_triton([_off(t, misaligned) for t in shards], padded, rows, fmt, 64, None, b)
-            assert torch.equal(a, b), (shapes, ws, fmt, src, r, (a != b).nonzero().view(-1)[:8].tolist())
-            chunks.append(a)
-        g = torch.cat(chunks)
-        o1 = [torch.empty(f.numel(), dtype=out_dtype) for f in fulls]
-        o2 = [_off(torch.full((f.numel(),), 3.0, dtype=out_dtype), misaligned) for f in fulls]
-        ns.dequantize_copy_out(g, padded, rows, ws, fmt, 64, o1)
-        ns.dequantize_copy_out_triton(_off(g, misaligned), padded, rows, ws, fmt, 64, o2)
-        assert all(same_bits(x, y) for x, y in zip(o1, o2)), (shapes, ws, fmt, src, out_dtype)
+        _triton_round_trip(torch.device("cpu"), [make_values(sh, src, gen, special=True) for sh in shapes], ws, fmt,
+                           (out_dtype,), misaligned)  # fmt: skip
 
     check()
     print("random units equal")
@@ -938,35 +919,44 @@ def _off(t: torch.Tensor, misaligned: bool) -> torch.Tensor:
 
 def _triton_vs_cpp_unit(dev, shapes, gen, misaligned: bool) -> None:
     """triton_vs_cpp's round trip of one unit of `shapes` at 3 ranks, every format and
-    source and destination dtype: quantized bytes and dequantized values bit for bit."""
-    Q._import_triton_kernels()
-    ns = torch.ops.fsdp_native
-    tq, tdq = ns.quantize_copy_in_triton, ns.dequantize_copy_out_triton
+    source and destination dtype."""
     for fmt in Q.FORMATS:
         for src in (f32, bf16, f16):
             fulls = [make_values(s, src, gen, special=True) for s in shapes]
-            ws = 3
-            padded = [padded_shard_numel(f.shape, ws) for f in fulls]
-            rows = [row_numel(f.shape) for f in fulls]
-            n = Q.unit_layout(padded, rows, fmt).rank_nbytes
-            chunks = []
-            for r in range(ws):
-                shards = [shards_of(f, p, r) for f, p in zip(fulls, padded)]
-                a = torch.full((n,), 0x11, dtype=torch.uint8)
-                b = _off(torch.full((n,), 0x22, dtype=torch.uint8, device=dev), misaligned)
-                ns.quantize_copy_in(shards, padded, rows, fmt, 64, None, a)
-                tq([_off(t.to(dev), misaligned) for t in shards], padded, rows, fmt, 64, None, b)
-                b = b.cpu()
-                assert torch.equal(a, b), (shapes, fmt, src, r, (a != b).nonzero().view(-1)[:8].tolist())
-                chunks.append(a)
-            g = torch.cat(chunks)
-            g[-7:] = 0xFF  # garbage scales / codes too
-            for out_dtype in FLOATS:
-                o1 = [torch.empty(f.numel(), dtype=out_dtype) for f in fulls]
-                o2 = [_off(torch.full((f.numel(),), 3.0, dtype=out_dtype, device=dev), misaligned) for f in fulls]
-                ns.dequantize_copy_out(g, padded, rows, ws, fmt, 64, o1)
-                tdq(_off(g.to(dev), misaligned), padded, rows, ws, fmt, 64, o2)
-                assert all(same_bits(x, y.cpu()) for x, y in zip(o1, o2)), (shapes, fmt, src, out_dtype)
+            _triton_round_trip(dev, fulls, 3, fmt, FLOATS, misaligned, garbage=True)
+
+
+def _triton_round_trip(dev, fulls, ws: int, fmt: str, out_dtypes, misaligned: bool, garbage: bool = False) -> None:
+    """Every rank's shards of `fulls` quantized by the Triton op on `dev` and by the C++ op,
+    bit for bit, then the gathered chunks (`garbage`: the last 7 bytes 0xFF, garbage scales
+    and codes) dequantized into each of `out_dtypes` by both, bit for bit; `misaligned`: every
+    Triton buffer one element off 16 bytes."""
+    ns = torch.ops.fsdp_native
+    Q._import_triton_kernels()
+    padded = [padded_shard_numel(f.shape, ws) for f in fulls]
+    rows = [row_numel(f.shape) for f in fulls]
+    n = Q.unit_layout(padded, rows, fmt).rank_nbytes
+    what = ([tuple(f.shape) for f in fulls], ws, fmt, fulls[0].dtype if fulls else None)
+    chunks = []
+    for r in range(ws):
+        shards = [shards_of(f, p, r) for f, p in zip(fulls, padded)]
+        a = torch.full((n,), 0x11, dtype=torch.uint8)
+        b = _off(torch.full((n,), 0x22, dtype=torch.uint8, device=dev), misaligned)
+        ns.quantize_copy_in(shards, padded, rows, fmt, 64, None, a)
+        ns.quantize_copy_in_triton([_off(t.to(dev), misaligned) for t in shards], padded, rows, fmt, 64, None, b)
+        b = b.cpu()
+        assert torch.equal(a, b), (what, r, (a != b).nonzero().view(-1)[:8].tolist())
+        chunks.append(a)
+    g = torch.cat(chunks)
+    if garbage:
+        g[-7:] = 0xFF
+    for out_dtype in out_dtypes:
+        o1 = [torch.empty(f.numel(), dtype=out_dtype) for f in fulls]
+        o2 = [_off(torch.full((f.numel(),), 3.0, dtype=out_dtype, device=dev), misaligned) for f in fulls]
+        ns.dequantize_copy_out(g, padded, rows, ws, fmt, 64, o1)
+        ns.dequantize_copy_out_triton(_off(g.to(dev), misaligned), padded, rows, ws, fmt, 64, o2)
+        assert all(same_bits(x, y.cpu()) for x, y in zip(o1, o2)), (what, out_dtype)
+
 
 if __name__ == "__main__" and "--triton" in sys.argv:
     triton_main()
