@@ -70,8 +70,8 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
