@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 
 import torch
@@ -129,11 +130,12 @@ def sass_stats(cubin: bytes) -> dict:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    path = "/tmp/_triton_sass.cubin"
-    with open(path, "wb") as f:
-        f.write(cubin)
-    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as d:  # cuobjdump reads a file
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", res)
     instr = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     instr = [(a, t) for a, t in instr if not t.startswith("NOP")]
