@@ -222,24 +222,31 @@ def _load_meta(meta, p, col: tl.constexpr):
 
 
 @triton.jit
+def _tile_in(t, meta, p, ROWWISE: tl.constexpr, BLOCK: tl.constexpr):
+    """Tile ``t`` (int32) of parameter p's padded shard: its row ``r`` (0 unless ROWWISE) and
+    elements [lo, hi); a rowwise tile lies within one row."""
+    if ROWWISE:
+        row = _load_meta(meta, p, 3)
+        per_row = ((row + BLOCK - 1) // BLOCK).to(tl.int32)
+        r32 = t // per_row
+        r = r32.to(tl.int64)
+        lo = r * row + ((t - r32 * per_row) * BLOCK).to(tl.int64)
+        hi = tl.minimum(lo + BLOCK, r * row + row)
+    else:
+        lo = t.to(tl.int64) * BLOCK
+        r = lo * 0
+        hi = tl.minimum(lo + BLOCK, _load_meta(meta, p, 2))
+    return r, lo, hi
+
+
+@triton.jit
 def _fp8_tile(meta, starts, n_params, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr):
     """This program's parameter and tile [lo, hi) of its padded shard; a rowwise tile lies
     within one row (row index ``r``)."""
     pid = tl.program_id(0).to(tl.int64)
     p = _find_param(starts, n_params, pid, LOG2)
     t = (pid - tl.load(starts + p)).to(tl.int32)  # task indices fit 32 bits (the grid does)
-    padded = _load_meta(meta, p, 2)
-    if ROWWISE:
-        row = _load_meta(meta, p, 3)
-        per_row = ((row + BLOCK - 1) // BLOCK).to(tl.int32)
-        r = t // per_row
-        lo = r.to(tl.int64) * row + ((t - r * per_row) * BLOCK).to(tl.int64)
-        hi = tl.minimum(lo + BLOCK, r.to(tl.int64) * row + row)
-        r = r.to(tl.int64)
-    else:
-        r = pid * 0
-        lo = t.to(tl.int64) * BLOCK
-        hi = tl.minimum(lo + BLOCK, padded)
+    r, lo, hi = _tile_in(t, meta, p, ROWWISE, BLOCK)
     return p, r, lo, hi
 
 
@@ -455,17 +462,7 @@ def _dequantize_kernel(
     r = t // per_rank
     u = t - r * per_rank
     r = r.to(tl.int64)
-    if FMT == 1:
-        row = _load_meta(meta, p, 3)
-        per_row = ((row + BLOCK - 1) // BLOCK).to(tl.int32)
-        rr32 = u // per_row
-        rr = rr32.to(tl.int64)
-        lo = rr * row + ((u - rr32 * per_row) * BLOCK).to(tl.int64)
-        hi = tl.minimum(lo + BLOCK, rr * row + row)
-    else:
-        rr = r * 0
-        lo = u.to(tl.int64) * BLOCK
-        hi = tl.minimum(lo + BLOCK, padded)
+    rr, lo, hi = _tile_in(u, meta, p, FMT == 1, BLOCK)  # rr: the row, for fp8_rowwise
     hi = tl.minimum(hi, tl.maximum(numel - r * padded, 0))  # this rank's real elements
     chunk = gathered + r * rank_stride
     codes = chunk + _load_meta(meta, p, 4)
