@@ -439,6 +439,21 @@ def quant_op_cases(work: str, shapes: list[tuple[int, ...]], device) -> list[OpC
         outs = [torch.empty(_numel(s), dtype=torch.bfloat16, device=device) for s in shapes]
         add(f"dequantize {fmt}", lambda g=gathered, o=outs, f=fmt: Q.dequantize_copy_out(g, padded, rows, ws, o, format=f),
             gathered.numel() + sum(2 * o.numel() for o in outs))
+    if device.type == "cuda":  # the ops that convert, again with the integer math (FSDP_NATIVE_TRITON_CVT=0)
+        Q._import_triton_kernels()
+        from fsdp_native.kernels import quant as K
+
+        def integer_math(fn):
+            def run():
+                was, K.HW_CVT = K.HW_CVT, False
+                try:
+                    fn()
+                finally:
+                    K.HW_CVT = was
+            return run
+
+        cases += [replace(c, name=c.name + " (integer math)", op=integer_math(c.op))
+                  for c in list(cases) if c.name.startswith(("quantize fp8", "dequantize"))]  # fmt: skip
     return cases
 
 

@@ -167,12 +167,17 @@ def sass_stats(cubin: bytes) -> dict:
     return {"instr": len(instr), "fast": fast, "mem": dict(sorted(mem.items())), "loop": loop, "regs": int(regs.group(1)) if regs else -1}
 
 
-def compile_launch(gpu_mod, name: str, launch: dict, arch: int) -> dict:
+def compile_launch(gpu_mod, name: str, launch: dict, arch: int, cvt: bool | None = None) -> dict:
+    """SASS statistics of one recorded launch compiled for sm_`arch`; `cvt`: the CVT constexpr
+    (the conversion instructions) where the kernel has one, by default as a GPU of `arch` gets
+    it (the recording ran on CPU tensors, which never get it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = getattr(gpu_mod, name)
+    if "CVT" in launch["kwargs"]:
+        launch = dict(launch, kwargs=dict(launch["kwargs"], CVT=arch >= 89 if cvt is None else cvt))
     sig, consts, attrs = _signature(fn, launch)
     opts = {k: v for k, v in launch["kwargs"].items() if k in ("enable_fp_fusion", "enable_reflect_ftz", "num_warps")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -195,17 +200,20 @@ def main() -> None:
     ap.add_argument("--kernels", default=os.path.join(_ROOT, "kernels", "quant.py"), help="a kernels/quant.py to compile")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--work", choices=("all", "llama"), default="all")
+    ap.add_argument("--cvt", choices=("auto", "on", "off"), default="auto",
+                    help="the kernels' GPU conversion instructions (auto: as a GPU of --arch gets them, 8.9 and up)")
     a = ap.parse_args()
     interp = load_kernels(a.kernels, interpret=True)
     gpu = load_kernels(a.kernels, interpret=False)
-    print(f"{a.kernels}: sm_{a.arch}, world size {WORLD_SIZE}, rank {RANK}, bf16 shards")
+    cvt = {"auto": None, "on": True, "off": False}[a.cvt]
+    print(f"{a.kernels}: sm_{a.arch}, world size {WORLD_SIZE}, rank {RANK}, bf16 shards, conversion instructions {a.cvt}")
     out = []
     works = (("Llama-3-8B layer", LLAMA_LAYER), ("overhead block", OVERHEAD_BLOCK))
     for work_name, work in works[:1] if a.work == "llama" else works:
         print(f"\n{work_name}")
         print(f"{'op':38} {'kernel':20} {'programs':>8} {'elem/prog':>9} {'SASS':>5} {'whole tiles /elem':>17} {'regs':>4}  loop  global loads / stores")
         for op, name, launch in record_launches(interp, work):
-            s = compile_launch(gpu, name, launch, a.arch)
+            s = compile_launch(gpu, name, launch, a.arch, cvt)
             out.append(dict(s, work=work_name, op=op, kernel=name))
             fast = f"{s['fast_per_element']:.1f}" if s["fast"] else "-"
             print(f"{op:38} {name:20} {s['programs']:>8} {s['per_program']:>9.0f} {s['instr']:>5} {fast:>17} "

@@ -25,6 +25,7 @@ last tile is masked. A call's launches are worked out once per unit (``_PLANS``)
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,12 @@ AMAX_TILES = 2
 # then its codes (the second read of the row comes from cache). Longer rows take an amax pass
 # over the unit and then the codes, two launches.
 ROW_FUSE_MAX = 16384
+
+# Whether kernels on GPUs of compute capability 8.9 and up round fp32 to e4m3 and bf16, and
+# decode e4m3, with the GPU's conversion instructions (the same bits as the integer math, which
+# the interpreter and older GPUs run; FSDP_NATIVE_TRITON_CVT=0 turns them off). Read when a
+# call's launches are worked out.
+HW_CVT = os.environ.get("FSDP_NATIVE_TRITON_CVT", "1") != "0"
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Compile options: no fused multiply-adds, and libdevice (div_rn) without flushing subnormals
@@ -146,24 +153,31 @@ def _finite_abs_bits(x):
 
 
 @triton.jit
-def _fp8_encode(x, inv_scale):
+def _fp8_encode(x, inv_scale, CVT: tl.constexpr):
+    """The e4m3 code of x * inv_scale, saturated to +-448, rounded to nearest even; NaN and
+    +-inf x: 0x7F. CVT: by the GPU's conversion (sm_89+), else by integer math."""
     q = x * inv_scale
     c = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    finite = (x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+    if CVT:
+        return tl.where(finite, c.to(tl.float8e4nv).to(tl.uint8, bitcast=True), 0x7F).to(tl.uint8)
     u = c.to(tl.uint32, bitcast=True)
     sign = (u >> 24) & 0x80
     a = u & 0x7FFFFFFF
     normal = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20
     sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - (141 << 23)
     code = tl.where(a < 0x3C800000, sub, normal) | sign
-    finite = (x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
     return tl.where(finite, code, 0x7F).to(tl.uint8)
 
 
 @triton.jit
-def _e4m3_value(b):
-    """The value of e4m3 code ``b`` (uint32): its bits moved into an fp16 are the value times
-    2^-8, normal or subnormal (the exponent biases differ by 8), so the exact fp16 -> fp32
-    conversion and an exact multiply by 256 give it."""
+def _e4m3_value(c, CVT: tl.constexpr):
+    """The value of e4m3 code ``c`` (uint8). CVT: by the GPU's conversion (sm_89+). Else its
+    bits moved into an fp16 are the value times 2^-8, normal or subnormal (the exponent biases
+    differ by 8), so the exact fp16 -> fp32 conversion and an exact multiply by 256 give it."""
+    if CVT:
+        return c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    b = c.to(tl.uint32)
     h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
     v = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
     return tl.where((b & 0x7F) == 0x7F, 0x7FC00000, v.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
@@ -189,15 +203,18 @@ def _nf4_code(v):
 
 
 @triton.jit
-def _out_bits(v, OUT: tl.constexpr):
+def _out_bits(v, OUT: tl.constexpr, CVT: tl.constexpr):
     """fp32 ``v`` as the bits of OUT (0 fp32, 1 bf16, 2 f16), rounding to nearest even, every
-    NaN as the dtype's one NaN."""
+    NaN as the dtype's one NaN (CVT: bf16 by the GPU's conversion)."""
     u = v.to(tl.uint32, bitcast=True)
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     if OUT == 0:
         return tl.where(nan, 0x7FC00000, u)
     elif OUT == 1:
-        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
+        if CVT:
+            r = v.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+        else:
+            r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
         return tl.where(nan, 0x7FC0, r).to(tl.uint16)
     else:
         h = v.to(tl.float16).to(tl.uint16, bitcast=True)
@@ -262,16 +279,17 @@ def _tile_amax(src, lo, hi, numel, SRC: tl.constexpr, FULL: tl.constexpr, HINT: 
 
 
 @triton.jit
-def _tile_codes(src, codes, lo, hi, numel, inv, SRC: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr):
+def _tile_codes(src, codes, lo, hi, numel, inv, SRC: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr,
+                V: tl.constexpr, CVT: tl.constexpr):  # fmt: skip
     """The fp8 codes of elements [lo, hi) of a source (zero past numel) into ``codes`` (the
     codes of element 0)."""
     j = tl.arange(0, BLOCK)
     if FULL:
         x = _widen(tl.load(_src_ptrs(src + lo * (16 // V), j, SRC, HINT, V)), SRC)
-        tl.store(_byte_ptrs(codes + lo, j, HINT, V), _fp8_encode(x, inv))
+        tl.store(_byte_ptrs(codes + lo, j, HINT, V), _fp8_encode(x, inv, CVT))
     else:
         x = _widen(tl.load(_src_ptrs(src, lo + j, SRC), mask=(lo + j < hi) & (lo + j < numel), other=0), SRC)
-        tl.store(codes + (lo + j), _fp8_encode(x, inv), mask=lo + j < hi)
+        tl.store(codes + (lo + j), _fp8_encode(x, inv, CVT), mask=lo + j < hi)
 
 
 @triton.jit
@@ -297,6 +315,7 @@ def _amax_kernel(
 def _fp8_quantize_kernel(
     meta, starts, out, amax, n_params,
     SRC: tl.constexpr, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
+    CVT: tl.constexpr,
 ):  # fmt: skip
     p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK)
     src = _load_meta(meta, p, 0)
@@ -308,15 +327,15 @@ def _fp8_quantize_kernel(
     tl.store(scales + r, scale, mask=first)
     inv = tl.math.div_rn(1.0, scale)
     if (lo + BLOCK <= hi) & (lo + BLOCK <= numel):
-        _tile_codes(src, codes, lo, hi, numel, inv, SRC, True, HINT, BLOCK, V)
+        _tile_codes(src, codes, lo, hi, numel, inv, SRC, True, HINT, BLOCK, V, CVT)
     else:
-        _tile_codes(src, codes, lo, hi, numel, inv, SRC, False, HINT, BLOCK, V)
+        _tile_codes(src, codes, lo, hi, numel, inv, SRC, False, HINT, BLOCK, V, CVT)
     _zero_gaps_if(out, meta, p, hi == _load_meta(meta, p, 2))
 
 
 @triton.jit
 def _row_codes(src, codes, lo, row, numel, SRC: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr,
-               NT: tl.constexpr, V: tl.constexpr):  # fmt: skip
+               NT: tl.constexpr, V: tl.constexpr, CVT: tl.constexpr):  # fmt: skip
     """The amax of the row at element ``lo``, then its codes (FULL: whole tiles of data);
     returns its scale."""
     m = tl.full([], 0, tl.int32)
@@ -327,7 +346,7 @@ def _row_codes(src, codes, lo, row, numel, SRC: tl.constexpr, FULL: tl.constexpr
     inv = tl.math.div_rn(1.0, scale)
     for k in range(NT):
         if k * BLOCK < row:
-            _tile_codes(src, codes, lo + k * BLOCK, lo + row, numel, inv, SRC, FULL, HINT, BLOCK, V)
+            _tile_codes(src, codes, lo + k * BLOCK, lo + row, numel, inv, SRC, FULL, HINT, BLOCK, V, CVT)
     return scale
 
 
@@ -335,7 +354,7 @@ def _row_codes(src, codes, lo, row, numel, SRC: tl.constexpr, FULL: tl.constexpr
 def _fp8_rows_kernel(
     meta, starts, out, n_params,
     SRC: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, CVT: tl.constexpr,
 ):  # fmt: skip
     """fp8_rowwise, one program per row of at most NT tiles: the row's amax, then its codes
     (EVEN: every row a whole number of tiles)."""
@@ -349,9 +368,9 @@ def _fp8_rows_kernel(
     codes = out + _load_meta(meta, p, 4)
     scales = (out + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
     if lo + row <= numel:  # a row of data (a sharded parameter's rows are all data or padding)
-        scale = _row_codes(src, codes, lo, row, numel, SRC, EVEN, HINT, BLOCK, NT, V)
+        scale = _row_codes(src, codes, lo, row, numel, SRC, EVEN, HINT, BLOCK, NT, V, CVT)
     elif lo < numel:  # a row that the shard's end cuts (callers that do not shard by rows)
-        scale = _row_codes(src, codes, lo, row, numel, SRC, False, HINT, BLOCK, NT, V)
+        scale = _row_codes(src, codes, lo, row, numel, SRC, False, HINT, BLOCK, NT, V, CVT)
     else:
         scale = tl.full([], 1.0, tl.float32)
         j = tl.arange(0, BLOCK)
@@ -413,21 +432,23 @@ def _nf4_quantize_kernel(
 
 
 @triton.jit
-def _fp8_values(codes, dst, lo, hi, scale, OUT: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr):
+def _fp8_values(codes, dst, lo, hi, scale, OUT: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr,
+                V: tl.constexpr, CVT: tl.constexpr):  # fmt: skip
     """Elements [lo, hi) of one rank's fp8 codes times ``scale`` into ``dst`` (element 0 of
     the rank's slice of the unsharded parameter)."""
     j = tl.arange(0, BLOCK)
     if FULL:
-        v = _e4m3_value(tl.load(_byte_ptrs(codes + lo, j, HINT, V)).to(tl.uint32)) * scale
-        tl.store(_out_ptrs(dst + lo * (16 // V), j, OUT, HINT, V), _out_bits(v, OUT))
+        v = _e4m3_value(tl.load(_byte_ptrs(codes + lo, j, HINT, V)), CVT) * scale
+        tl.store(_out_ptrs(dst + lo * (16 // V), j, OUT, HINT, V), _out_bits(v, OUT, CVT))
     else:
         mask = lo + j < hi
-        v = _e4m3_value(tl.load(codes + (lo + j), mask=mask, other=0).to(tl.uint32)) * scale
-        tl.store(_out_ptrs(dst, lo + j, OUT), _out_bits(v, OUT), mask=mask)
+        v = _e4m3_value(tl.load(codes + (lo + j), mask=mask, other=0), CVT) * scale
+        tl.store(_out_ptrs(dst, lo + j, OUT), _out_bits(v, OUT, CVT), mask=mask)
 
 
 @triton.jit
-def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, V: tl.constexpr):
+def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BS: tl.constexpr,
+                NB: tl.constexpr, V: tl.constexpr, CVT: tl.constexpr):  # fmt: skip
     """Elements [lo, hi) (lo a block's first) of one rank's NF4 codes into ``dst``."""
     k = tl.arange(0, NB)
     b = k[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # bytes of the tile
@@ -440,16 +461,16 @@ def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.c
         c = tl.load(codes + (lo // 2 + b), mask=lo + 2 * b < hi, other=0).to(tl.int32)
     v = tl.interleave(tl.load(table + (c >> 4)) * s[:, None], tl.load(table + (c & 15)) * s[:, None])
     if FULL:
-        tl.store(_out_ptrs(dst + lo * (16 // V), e, OUT, HINT, V), _out_bits(v, OUT))
+        tl.store(_out_ptrs(dst + lo * (16 // V), e, OUT, HINT, V), _out_bits(v, OUT, CVT))
     else:
-        tl.store(_out_ptrs(dst, lo + e, OUT), _out_bits(v, OUT), mask=lo + e < hi)
+        tl.store(_out_ptrs(dst, lo + e, OUT), _out_bits(v, OUT, CVT), mask=lo + e < hi)
 
 
 @triton.jit
 def _dequantize_kernel(
     meta, starts, gathered, rank_stride, table, n_params,
     FMT: tl.constexpr, OUT: tl.constexpr, LOG2: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr,
-    HINT: tl.constexpr,
+    HINT: tl.constexpr, CVT: tl.constexpr,
 ):  # fmt: skip
     """One tile of one rank's slice of a parameter: BLOCK elements (fp8_rowwise: within one
     row, so one scale), or BLOCK // BS whole NF4 blocks."""
@@ -470,15 +491,15 @@ def _dequantize_kernel(
     dst = _load_meta(meta, p, 0) + r * padded * (4 if OUT == 0 else 2)
     if FMT == 2:
         if lo + BLOCK <= hi:
-            _nf4_values(codes, scales, table, dst, lo, hi, OUT, True, HINT, BS, BLOCK // BS, V)
+            _nf4_values(codes, scales, table, dst, lo, hi, OUT, True, HINT, BS, BLOCK // BS, V, CVT)
         else:
-            _nf4_values(codes, scales, table, dst, lo, hi, OUT, False, HINT, BS, BLOCK // BS, V)
+            _nf4_values(codes, scales, table, dst, lo, hi, OUT, False, HINT, BS, BLOCK // BS, V, CVT)
     else:
         scale = tl.load(scales + rr)
         if lo + BLOCK <= hi:
-            _fp8_values(codes, dst, lo, hi, scale, OUT, True, HINT, BLOCK, V)
+            _fp8_values(codes, dst, lo, hi, scale, OUT, True, HINT, BLOCK, V, CVT)
         else:
-            _fp8_values(codes, dst, lo, hi, scale, OUT, False, HINT, BLOCK, V)
+            _fp8_values(codes, dst, lo, hi, scale, OUT, False, HINT, BLOCK, V, CVT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,6 +514,19 @@ def _warps(block: int) -> int:
     """Warps for a tile of `block` elements: at least 8 elements per thread (16-byte accesses
     of 16-bit values), at most 4 warps."""
     return max(1, min(4, block // 256))
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _cvt(device: torch.device) -> bool:
+    """Whether launches on ``device`` use the conversion instructions (HW_CVT)."""
+    if not HW_CVT or device.type != "cuda":
+        return False
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _CAPABILITY:
+        _CAPABILITY[i] = torch.cuda.get_device_capability(i)
+    return _CAPABILITY[i] >= (8, 9)
 
 
 def _aligned(*values: int) -> bool:
@@ -607,7 +641,7 @@ def _fp8_launches(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx
         hint = _aligned(out_ptr, *(shards[i].data_ptr() for i in idx)) and (
             not rowwise or all(row_numels[i] % v == 0 for i in idx)
         )
-        extra = {"TILES": tiles} if tiles else {}
+        extra = {"TILES": tiles} if tiles else {"CVT": _cvt(device)}
         if n:
             launches.append(_Launch(kernel, n, meta, starts, args + (len(idx),), dict(
                 SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK, V=v, HINT=hint, **extra, **_OPTS,
@@ -639,7 +673,7 @@ def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_La
         nt = -(-max(row_numels[i] for i in live) // block)
         hint = even and _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block % v == 0
         launches.append(_Launch(_fp8_rows_kernel, n, meta, starts, ("out", len(idx)), dict(
-            SRC=_KIND[dtype], LOG2=_log2(len(idx)), BLOCK=block, NT=nt, V=v, HINT=hint, EVEN=even,
+            SRC=_KIND[dtype], LOG2=_log2(len(idx)), BLOCK=block, NT=nt, V=v, HINT=hint, EVEN=even, CVT=_cvt(out.device),
             num_warps=_warps(block), **_OPTS,
         )))  # fmt: skip
     return launches
@@ -671,7 +705,7 @@ def quantize_copy_in_eager(
     out: torch.Tensor,
 ) -> None:
     key = (
-        "quantize", format, block_size, tuple(padded_numels), tuple(row_numels), _tkey(out),
+        "quantize", HW_CVT, format, block_size, tuple(padded_numels), tuple(row_numels), _tkey(out),
         None if amax is None else (amax.dtype, tuple(amax.shape), amax.device), tuple(_tkey(s) for s in shards),
     )  # fmt: skip
     plan = _PLANS.get(key)
@@ -732,7 +766,7 @@ def dequantize_copy_out_eager(
     outs: list[torch.Tensor],
 ) -> None:
     key = (
-        "dequantize", format, block_size, world_size, tuple(padded_numels), tuple(row_numels), _tkey(gathered),
+        "dequantize", HW_CVT, format, block_size, world_size, tuple(padded_numels), tuple(row_numels), _tkey(gathered),
         tuple(_tkey(o) for o in outs),
     )  # fmt: skip
     plan = _PLANS.get(key)
@@ -771,7 +805,7 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
         )
         launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, "table", len(idx)), dict(
             FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, BLOCK=block, V=v, HINT=hint,
-            num_warps=_warps(block), **_OPTS,
+            CVT=_cvt(gathered.device), num_warps=_warps(block), **_OPTS,
         )))  # fmt: skip
     return launches
 

@@ -2,14 +2,19 @@
 # The GPU checks of fsdp_native in one command, on a machine with a GPU (../shared/GPU.md):
 # builds the extension in place against the machine's torch (no .venv there), then runs
 #   quant  : the Triton quantized all-gather kernels compiled for the GPU, bit for bit against
-#            the C++ kernels (tests/test_quant_kernels.py -k cuda), and tests/test_cuda_quant.py
-#            (torchao Float8 / NF4 vs torch FSDP2, the own fp8 / NF4 all-gathers, on NCCL)
+#            the C++ kernels, with and without the GPU's conversion instructions, which are also
+#            checked against the integer math over every fp32 (tests/test_quant_kernels.py
+#            -k cuda), and tests/test_cuda_quant.py (torchao Float8 / NF4 vs torch FSDP2, the
+#            own fp8 / NF4 all-gathers, on NCCL)
+#   benchops: benchmarks/bench_gpu.py --no-train     (packing and quantization kernels alone vs
+#            the bandwidth floor, first: the part a short run must not lose)
 #   bench  : benchmarks/bench_gpu.py                  (step time / memory vs torch FSDP2 at world
 #            size 8 on the fake process group, plain, torchao Float8 and NF4 QLoRA; packing and
 #            quantization kernels vs the bandwidth floor)
 #   tests  : python3 -m pytest tests/test_cuda_*.py   (kernels bit for bit vs CPU, runtime parity
 #            and memory vs torch FSDP2 on NCCL world size 1)
-#   quantcpu: tests/test_quant_kernels.py on this machine's CPU (its best kernel level)
+#   quantcpu: tests/test_quant_kernels.py on this machine's CPU (its best kernel level; the
+#            Triton tests left out)
 #   memcheck: compute-sanitizer --tool memcheck over the kernel tests
 #   memsnap: (only when named) benchmarks/gpu_memory_snapshot.py on llama8b-bf16: who holds
 #            the memory between steps and after the forward, torch FSDP2 vs fsdp_native
@@ -23,8 +28,8 @@
 #
 # Environment: PY (default python3), OUT, TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS
 # (default: the core count), GPU_CHECK_BENCH_ARGS (extra bench_gpu.py arguments),
-# GPU_CHECK_DEADLINE_S (stop starting stages, and cut each stage's limit, so that the whole
-# run ends within this many seconds). Wheels in .whl/ (torchao, which the GPU image lacks) are
+# GPU_CHECK_TESTS (the test files of the tests stage), GPU_CHECK_DEADLINE_S (stop starting
+# stages, and cut each stage's limit, so that the whole run ends within this many seconds). Wheels in .whl/ (torchao, which the GPU image lacks) are
 # installed into /tmp/gpu_check_site first and put on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +38,7 @@ OUT=${OUT:-build/gpu_check}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 STAGES=("$@")
-[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(build quant bench tests quantcpu memcheck)
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(build quant benchops bench tests quantcpu memcheck)
 DEADLINE=${GPU_CHECK_DEADLINE_S:-100000}
 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -89,21 +94,26 @@ assert fsdp_native._C.with_cuda == 1, "built without CUDA kernels"
 print("fsdp_native", fsdp_native._C.__file__, "built for torch", fsdp_native._C.torch_version, "running", torch.__version__)'
 fi
 if want quant; then
-  stage quant 240 "$PY" -m pytest -q -rs tests/test_quant_kernels.py tests/test_cuda_quant.py -k cuda
+  stage quant 240 "$PY" -m pytest -q -rs --durations=12 tests/test_quant_kernels.py tests/test_cuda_quant.py -k cuda
+fi
+if want benchops; then
+  stage benchops 150 "$PY" benchmarks/bench_gpu.py --no-train --json "$OUT/bench_ops.json"
 fi
 if want bench; then
   # shellcheck disable=SC2086
-  stage bench 300 "$PY" benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
+  stage bench 300 "$PY" benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" \
+    $(want benchops && echo --no-ops) ${GPU_CHECK_BENCH_ARGS:-}
 fi
 if want tests; then
-  stage tests 400 "$PY" -m pytest -q -rs --junitxml="$OUT/pytest.xml" tests/test_cuda_build.py \
-    tests/test_cuda_runtime.py tests/test_cuda_memory.py
-fi
-if want quantcpu; then
-  stage quantcpu 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_quant_kernels.py
+  # shellcheck disable=SC2086
+  stage tests 400 "$PY" -m pytest -q -rs --junitxml="$OUT/pytest.xml" \
+    ${GPU_CHECK_TESTS:-tests/test_cuda_build.py tests/test_cuda_runtime.py tests/test_cuda_memory.py}
 fi
 if want memsnap; then  # not in the default stages: who holds the memory, llama8b-bf16
   stage memsnap 200 bash -c "$PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 && $PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 --at loss"
+fi
+if want quantcpu; then
+  stage quantcpu 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_quant_kernels.py -k "not triton and not cuda"
 fi
 if want memcheck; then
   if command -v compute-sanitizer >/dev/null; then

@@ -592,6 +592,7 @@ def triton_main() -> None:
     triton_vs_cpp(torch.device("cpu"))
     triton_alignment_claims()
     triton_random_units()
+    triton_cvt_compare()
     print("triton: all equal")
 
 
@@ -625,6 +626,21 @@ def triton_random_units() -> None:
 
     check()
     print("random units equal")
+
+
+def triton_cvt_compare() -> None:
+    """The comparison that checks the GPU's conversion instructions against the integer math
+    over every fp32 on a GPU (test_conversion_instructions_match_integer_math_on_cuda), run
+    here on a few ranges: it finds a planted difference (count and first), and the integer
+    math against itself differs nowhere. (The interpreter's own conversions round otherwise,
+    which is why CPU tensors never take the instructions.)"""
+    import _cvt_check as C
+
+    assert C.compare(C.PLANTED, False, False, 4096, 4096 * 4, "cpu") == (2340, 4102)
+    assert C.compare(C.PLANTED, False, False, 0, 4096, "cpu") == (586, 0)
+    for what, start in ((C.ENCODE, 0x3A000000), (C.ENCODE, 0xC3E00000 - 2048), (C.BF16, 0x7F7FF000), (C.DECODE, 0)):
+        assert C.compare(what, False, False, start, 4096, "cpu") == (0, None), (what, start)
+    print("conversion comparison checked")
 
 
 def triton_alignment_claims() -> None:
@@ -712,10 +728,34 @@ def test_triton_kernels_compile_to_wide_accesses(tmp_path, arch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _triton_available(), reason="needs a GPU and triton")
-def test_triton_matches_cpp_on_cuda():
+@pytest.mark.parametrize("cvt", [True, False], ids=["cvt", "integer_math"])
+def test_triton_matches_cpp_on_cuda(cvt, monkeypatch):
     """The Triton kernels compiled for the GPU against the C++ kernels on CPU, bit for bit:
-    the interpreted run's cases, plus shards big enough for many programs per parameter."""
+    the interpreted run's cases, plus shards big enough for many programs per parameter; with
+    the GPU's conversion instructions where it has them (compute capability 8.9+), and with
+    the integer math (FSDP_NATIVE_TRITON_CVT=0, and older GPUs)."""
+    Q._import_triton_kernels()
+    from fsdp_native.kernels import quant as K
+
+    monkeypatch.setattr(K, "HW_CVT", cvt)
+    assert K._cvt(torch.device("cuda")) == (cvt and torch.cuda.get_device_capability() >= (8, 9))
     triton_vs_cpp(torch.device("cuda"), big=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _triton_available(), reason="needs a GPU and triton")
+def test_conversion_instructions_match_integer_math_on_cuda():
+    """On a GPU with the conversion instructions (compute capability 8.9+: cvt to e4m3 and to
+    bf16, e4m3 to fp16), they give the integer math's bits for every one of the 2^32 fp32
+    values (e4m3 saturated to +-448, NaN and inf as 0x7F; bf16 rounded to nearest even, NaN as
+    0x7FC0) and every e4m3 code."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"compute capability {torch.cuda.get_device_capability()}: the kernels use no conversion instructions")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _cvt_check as C
+
+    assert C.compare(C.PLANTED, True, False, 2**32 - 4096 * 2, 4096 * 2, "cuda") == (1170, 2**32 - 8187)
+    for what, n in ((C.ENCODE, 2**32), (C.BF16, 2**32), (C.DECODE, 4096)):
+        assert C.compare(what, True, False, 0, n, "cuda") == (0, None), what
 
 
 _SOURCE_CHECKOUT = r"""
