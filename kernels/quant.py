@@ -108,6 +108,29 @@ def _byte_ptrs(base, j, HINT: tl.constexpr = False, V: tl.constexpr = 1):
 
 
 @triton.jit
+def _store_scales(table, idx, v, mask, SA: tl.constexpr):
+    """fp32 ``v`` as scales ``idx`` of the table at u8 pointer ``table``: 4-byte stores where it
+    is 4-byte aligned (SA; a GPU faults on a misaligned one), else byte by byte."""
+    if SA:
+        tl.store(table.to(tl.pointer_type(tl.float32)) + idx, v, mask=mask)
+    else:
+        u = v.to(tl.uint32, bitcast=True)
+        for k in tl.static_range(4):
+            tl.store(table + idx * 4 + k, ((u >> (8 * k)) & 255).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _load_scales(table, idx, SA: tl.constexpr):
+    """Scales ``idx`` of the table at u8 pointer ``table`` (see _store_scales)."""
+    if SA:
+        return tl.load(table.to(tl.pointer_type(tl.float32)) + idx)
+    u = tl.load(table + idx * 4).to(tl.uint32)
+    for k in tl.static_range(1, 4):
+        u = u | (tl.load(table + idx * 4 + k).to(tl.uint32) << (8 * k))
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _widen(x, SRC: tl.constexpr):
     """fp32 values of loaded SRC elements; bf16 widens by its bits (exact everywhere,
     subnormals included)."""
@@ -315,16 +338,15 @@ def _amax_kernel(
 def _fp8_quantize_kernel(
     meta, starts, out, amax, n_params,
     SRC: tl.constexpr, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
-    CVT: tl.constexpr,
+    CVT: tl.constexpr, SA: tl.constexpr,
 ):  # fmt: skip
     p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK)
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     codes = out + _load_meta(meta, p, 4)
-    scales = (out + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
     scale = _fp8_scale(tl.load(amax + _load_meta(meta, p, 9) + r))
     first = lo == r * _load_meta(meta, p, 3) if ROWWISE else lo == 0
-    tl.store(scales + r, scale, mask=first)
+    _store_scales(out + _load_meta(meta, p, 6), r, scale, first, SA)
     inv = tl.math.div_rn(1.0, scale)
     if (lo + BLOCK <= hi) & (lo + BLOCK <= numel):
         _tile_codes(src, codes, lo, hi, numel, inv, SRC, True, HINT, BLOCK, V, CVT)
@@ -354,7 +376,7 @@ def _row_codes(src, codes, lo, row, numel, SRC: tl.constexpr, FULL: tl.constexpr
 def _fp8_rows_kernel(
     meta, starts, out, n_params,
     SRC: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
-    EVEN: tl.constexpr, CVT: tl.constexpr,
+    EVEN: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr,
 ):  # fmt: skip
     """fp8_rowwise, one program per row of at most NT tiles: the row's amax, then its codes
     (EVEN: every row a whole number of tiles)."""
@@ -366,7 +388,6 @@ def _fp8_rows_kernel(
     row = _load_meta(meta, p, 3)
     lo = r * row
     codes = out + _load_meta(meta, p, 4)
-    scales = (out + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
     if lo + row <= numel:  # a row of data (a sharded parameter's rows are all data or padding)
         scale = _row_codes(src, codes, lo, row, numel, SRC, EVEN, HINT, BLOCK, NT, V, CVT)
     elif lo < numel:  # a row that the shard's end cuts (callers that do not shard by rows)
@@ -378,7 +399,7 @@ def _fp8_rows_kernel(
             a = lo + k * BLOCK
             if k * BLOCK < row:
                 tl.store(codes + a + j, tl.zeros([BLOCK], tl.uint8), mask=a + j < lo + row)
-    tl.store(scales + r, scale)
+    _store_scales(out + _load_meta(meta, p, 6), r, scale, r >= 0, SA)
     _zero_gaps_if(out, meta, p, lo + row == _load_meta(meta, p, 2))
 
 
@@ -400,13 +421,13 @@ def _zero_gaps_if(out, meta, p, last):
 def _nf4_quantize_kernel(
     meta, starts, out, n_params,
     SRC: tl.constexpr, LOG2: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
+    SA: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     p = _find_param(starts, n_params, pid, LOG2)
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     padded = _load_meta(meta, p, 2)
-    scales = (out + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
     t = pid - tl.load(starts + p)
     lo = t * NB * BS
     blk = t * NB + tl.arange(0, NB)
@@ -427,7 +448,7 @@ def _nf4_quantize_kernel(
         tl.store(_byte_ptrs(codes + lo // 2, b, HINT, V // 2), byte)
     else:
         tl.store(codes + (lo // 2 + b), byte, mask=lo // 2 + b < (padded + 1) // 2)
-    tl.store(scales + blk, scale, mask=blk < (padded + BS - 1) // BS)
+    _store_scales(out + _load_meta(meta, p, 6), blk, scale, blk < (padded + BS - 1) // BS, SA)
     _zero_gaps_if(out, meta, p, lo + NB * BS >= padded)
 
 
@@ -448,16 +469,17 @@ def _fp8_values(codes, dst, lo, hi, scale, OUT: tl.constexpr, FULL: tl.constexpr
 
 @triton.jit
 def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BS: tl.constexpr,
-                NB: tl.constexpr, V: tl.constexpr, CVT: tl.constexpr):  # fmt: skip
-    """Elements [lo, hi) (lo a block's first) of one rank's NF4 codes into ``dst``."""
+                NB: tl.constexpr, V: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr):  # fmt: skip
+    """Elements [lo, hi) (lo a block's first) of one rank's NF4 codes (their scales: the table
+    at ``scales``) into ``dst``."""
     k = tl.arange(0, NB)
     b = k[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # bytes of the tile
     e = k[:, None] * BS + tl.arange(0, BS)[None, :]  # elements of the tile
     if FULL:
-        s = tl.load(scales + lo // BS + k)
+        s = _load_scales(scales, lo // BS + k, SA)
         c = tl.load(_byte_ptrs(codes + lo // 2, b, HINT, V // 2)).to(tl.int32)
     else:
-        s = tl.load(scales + lo // BS + k, mask=lo + k * BS < hi, other=1.0)
+        s = _load_scales(scales, lo // BS + tl.where(lo + k * BS < hi, k, 0), SA)  # (past hi: the first's)
         c = tl.load(codes + (lo // 2 + b), mask=lo + 2 * b < hi, other=0).to(tl.int32)
     v = tl.interleave(tl.load(table + (c >> 4)) * s[:, None], tl.load(table + (c & 15)) * s[:, None])
     if FULL:
@@ -470,7 +492,7 @@ def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.c
 def _dequantize_kernel(
     meta, starts, gathered, rank_stride, table, n_params,
     FMT: tl.constexpr, OUT: tl.constexpr, LOG2: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr,
-    HINT: tl.constexpr, CVT: tl.constexpr,
+    HINT: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr,
 ):  # fmt: skip
     """One tile of one rank's slice of a parameter: BLOCK elements (fp8_rowwise: within one
     row, so one scale), or BLOCK // BS whole NF4 blocks."""
@@ -487,15 +509,15 @@ def _dequantize_kernel(
     hi = tl.minimum(hi, tl.maximum(numel - r * padded, 0))  # this rank's real elements
     chunk = gathered + r * rank_stride
     codes = chunk + _load_meta(meta, p, 4)
-    scales = (chunk + _load_meta(meta, p, 6)).to(tl.pointer_type(tl.float32))
+    scales = chunk + _load_meta(meta, p, 6)
     dst = _load_meta(meta, p, 0) + r * padded * (4 if OUT == 0 else 2)
     if FMT == 2:
         if lo + BLOCK <= hi:
-            _nf4_values(codes, scales, table, dst, lo, hi, OUT, True, HINT, BS, BLOCK // BS, V, CVT)
+            _nf4_values(codes, scales, table, dst, lo, hi, OUT, True, HINT, BS, BLOCK // BS, V, CVT, SA)
         else:
-            _nf4_values(codes, scales, table, dst, lo, hi, OUT, False, HINT, BS, BLOCK // BS, V, CVT)
+            _nf4_values(codes, scales, table, dst, lo, hi, OUT, False, HINT, BS, BLOCK // BS, V, CVT, SA)
     else:
-        scale = tl.load(scales + rr)
+        scale = _load_scales(scales, rr, SA)
         if lo + BLOCK <= hi:
             _fp8_values(codes, dst, lo, hi, scale, OUT, True, HINT, BLOCK, V, CVT)
         else:
@@ -527,6 +549,12 @@ def _cvt(device: torch.device) -> bool:
     if i not in _CAPABILITY:
         _CAPABILITY[i] = torch.cuda.get_device_capability(i)
     return _CAPABILITY[i] >= (8, 9)
+
+
+def _aligned4(*values: int) -> bool:
+    """Whether every address and byte offset is a multiple of 4 (fp32 scales may be accessed
+    as such)."""
+    return all(v % 4 == 0 for v in values)
 
 
 def _aligned(*values: int) -> bool:
@@ -641,7 +669,7 @@ def _fp8_launches(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx
         hint = _aligned(out_ptr, *(shards[i].data_ptr() for i in idx)) and (
             not rowwise or all(row_numels[i] % v == 0 for i in idx)
         )
-        extra = {"TILES": tiles} if tiles else {"CVT": _cvt(device)}
+        extra = {"TILES": tiles} if tiles else {"CVT": _cvt(device), "SA": out_ptr % 4 == 0}
         if n:
             launches.append(_Launch(kernel, n, meta, starts, args + (len(idx),), dict(
                 SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK, V=v, HINT=hint, **extra, **_OPTS,
@@ -674,6 +702,7 @@ def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_La
         hint = even and _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block % v == 0
         launches.append(_Launch(_fp8_rows_kernel, n, meta, starts, ("out", len(idx)), dict(
             SRC=_KIND[dtype], LOG2=_log2(len(idx)), BLOCK=block, NT=nt, V=v, HINT=hint, EVEN=even, CVT=_cvt(out.device),
+            SA=out.data_ptr() % 4 == 0,
             num_warps=_warps(block), **_OPTS,
         )))  # fmt: skip
     return launches
@@ -734,7 +763,7 @@ def _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax_g
             if n:
                 launches.append(_Launch(_nf4_quantize_kernel, n, meta, starts, ("out", len(idx)), dict(
                     SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, V=v, HINT=hint,
-                    num_warps=8, **_OPTS,  # 16 elements a thread: 58 registers, not 168
+                    SA=out.data_ptr() % 4 == 0, num_warps=8, **_OPTS,  # 16 elements a thread: 58 registers, not 168
                 )))  # fmt: skip
         return 0, launches
     rowwise = format == Q.FP8_ROWWISE
@@ -805,7 +834,7 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
         )
         launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, "table", len(idx)), dict(
             FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, BLOCK=block, V=v, HINT=hint,
-            CVT=_cvt(gathered.device), num_warps=_warps(block), **_OPTS,
+            CVT=_cvt(gathered.device), SA=_aligned4(gathered.data_ptr(), rank_stride), num_warps=_warps(block), **_OPTS,
         )))  # fmt: skip
     return launches
 

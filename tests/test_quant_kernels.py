@@ -653,10 +653,12 @@ def triton_alignment_claims() -> None:
     Q._import_triton_kernels()
     ns = torch.ops.fsdp_native
     seen: list[tuple[str, bool, bool | None]] = []
+    scales_aligned: list[tuple[str, bool | None]] = []
     orig = InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
         seen.append((self.fn.__name__, kwargs["HINT"], kwargs.get("EVEN")))
+        scales_aligned.append((self.fn.__name__, kwargs.get("SA")))
         return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     def claims(fn, *args):
@@ -677,7 +679,9 @@ def triton_alignment_claims() -> None:
                 for shard, out, want in ((x, torch.empty(n + 16, dtype=torch.uint8)[:n], hint),
                                          (_off(x, True), torch.empty(n, dtype=torch.uint8), False),
                                          (x, torch.empty(n + 16, dtype=torch.uint8)[8 : 8 + n], False)):  # fmt: skip
+                    scales_aligned.clear()
                     got = claims(ns.quantize_copy_in_triton, [shard], padded, rows, fmt, 64, None, out)
+                    assert {a for k, a in scales_aligned if k != "_amax_kernel"} == {True}, (fmt, scales_aligned)
                     # (the amax pass reads the shard only)
                     assert {h for k, h, _ in got if k != "_amax_kernel" or shard is not x} == {want}, (fmt, rows_of, got)
                     if fmt == Q.FP8_ROWWISE:
@@ -688,6 +692,20 @@ def triton_alignment_claims() -> None:
                                           (g[:, :n], _off(out, True), False)):  # fmt: skip
                     got = claims(ns.dequantize_copy_out_triton, gathered, padded, rows, 2, fmt, 64, [o])
                     assert {h for _, h, _ in got} == {want}, (fmt, rows_of, got)
+        # scale tables not 4-byte aligned (a uint8 buffer one byte in): written and read byte by
+        # byte, no 4-byte access (the GPU faults on a misaligned one)
+        for fmt in Q.FORMATS:
+            n = Q.unit_layout(padded, rows, fmt).rank_nbytes
+            for out in (torch.empty(n + 16, dtype=torch.uint8)[1 : 1 + n], torch.empty(n + 16, dtype=torch.uint8)[4 : 4 + n]):
+                scales_aligned.clear()
+                claims(ns.quantize_copy_in_triton, [x], padded, rows, fmt, 64, None, out)
+                want = out.data_ptr() % 4 == 0
+                assert {a for k, a in scales_aligned if k != "_amax_kernel"} == {want}, (fmt, scales_aligned)
+            g = torch.zeros(2 * (n + 4) + 1, dtype=torch.uint8)  # (the op asks for rank strides of 4 bytes)
+            for gathered, want in ((g[1 : 1 + 2 * n].view(2, n), False), (g[: 2 * (n + 4)].view(2, n + 4)[:, :n], True)):
+                scales_aligned.clear()
+                claims(ns.dequantize_copy_out_triton, gathered, padded, rows, 2, fmt, 64, [torch.empty(2 * x.numel(), dtype=bf16)])
+                assert {a for _, a in scales_aligned} == {want}, (fmt, scales_aligned)
         # rows that are not whole runs of 8 bf16: no claim for fp8_rowwise's dequantize
         x = make_values((8 * 1004,), bf16, gen)
         n = Q.unit_layout([x.numel()], [1004], Q.FP8_ROWWISE).rank_nbytes
