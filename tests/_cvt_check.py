@@ -17,6 +17,7 @@ from fsdp_native.kernels.quant import _e4m3_value, _fp8_encode, _out_bits  # noq
 
 ENCODE, BF16, DECODE, PLANTED = range(4)
 NONE = 1 << 40  # "no difference" as a first index
+_NONE = tl.constexpr(NONE)
 
 
 @triton.jit
@@ -39,7 +40,7 @@ def _compare_kernel(start, counts, first, WHAT: tl.constexpr, A: tl.constexpr, B
         b = u ^ ((u % 7) == 0).to(tl.uint32)
     diff = a != b
     tl.atomic_add(counts, tl.sum(diff.to(tl.int64), axis=0))
-    tl.atomic_min(first, tl.min(tl.where(diff, i, NONE), axis=0))
+    tl.atomic_min(first, tl.min(tl.where(diff, i, _NONE), axis=0))
 
 
 def compare(what: int, a: bool, b: bool, start: int, n: int, device, block: int = 4096) -> tuple[int, int | None]:
