@@ -4,8 +4,10 @@ CUDA tensors; tested on CPU tensors with ``TRITON_INTERPRET=1``.
 Ops: ``fsdp_native::quantize_copy_in_triton``, ``dequantize_copy_out_triton`` and
 ``quantize_amax_triton``, with the schemas, argument checks and error messages of the C++
 ops (csrc/quant.cpp), and the same bytes and values bit for bit (the math of
-csrc/quant_math.h restated: integer bit manipulation for the e4m3 and bf16 roundings,
-``div_rn`` for the correctly rounded reciprocals, no fused multiply-adds).
+csrc/quant_math.h restated: integer bit manipulation for the e4m3 and bf16 roundings, or on
+GPUs of compute capability 8.9 and up the conversion instructions, which give the same bits
+for every fp32 value (HW_CVT); ``div_rn`` for the correctly rounded reciprocals, no fused
+multiply-adds).
 
 One launch covers a whole unit (one per source or destination dtype present, usually one;
 fp8_tensorwise adds the amax launch): every program finds its parameter by a binary search
