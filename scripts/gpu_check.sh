@@ -17,7 +17,8 @@
 #            Triton tests left out)
 #   memcheck: compute-sanitizer --tool memcheck over the kernel tests
 #   memsnap: (only when named) benchmarks/gpu_memory_snapshot.py on llama8b-bf16: who holds
-#            the memory between steps and after the forward, torch FSDP2 vs fsdp_native
+#            the memory at the step's peak, between steps and after the forward, torch FSDP2
+#            vs fsdp_native
 # and writes every log, the pytest JUnit XML, bench_gpu.json and summary.txt to $OUT
 # (default build/gpu_check), each as soon as its stage ends. Each stage has its own time
 # limit; a failed stage does not stop the others; the exit status is non-zero if any failed.
@@ -110,7 +111,7 @@ if want tests; then
     ${GPU_CHECK_TESTS:-tests/test_cuda_build.py tests/test_cuda_runtime.py tests/test_cuda_memory.py}
 fi
 if want memsnap; then  # not in the default stages: who holds the memory, llama8b-bf16
-  stage memsnap 200 bash -c "$PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 && $PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 --at loss"
+  stage memsnap 240 bash -c "$PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 --at peak && $PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 && $PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 --at loss"
 fi
 if want quantcpu; then
   stage quantcpu 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_quant_kernels.py -k "not triton and not cuda"

@@ -167,3 +167,29 @@ def test_gpu_memory_snapshot_groups_by_our_frames():
         {"state": "active_allocated", "size": 7, "frames": []},
     ]}]}  # fmt: skip
     assert G.groups(snap) == {"/r/fsdp_native/_unit.py:199 _new_flat": (1 << 20) + 512, "(other)": 7}
+
+
+def test_gpu_memory_snapshot_peak_replays_the_trace():
+    """gpu_memory_snapshot.py --at peak: the live blocks at the highest point of the trace
+    (allocs less free_requested; a free of a block allocated before the recording is ignored),
+    grouped by frame."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import gpu_memory_snapshot as G
+
+    a = [{"filename": "/r/fsdp_native/_unit.py", "line": 1, "name": "a"}]
+    b = [{"filename": "/r/fsdp_native/_reduce.py", "line": 2, "name": "b"}]
+    trace = [
+        {"action": "free_requested", "addr": 99, "size": 10**6},  # before the recording
+        {"action": "alloc", "addr": 1, "size": 100, "frames": a},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": b},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 120, "frames": a},  # 170
+        {"action": "alloc", "addr": 1, "size": 10, "frames": b},  # address reused; 180: the peak
+        {"action": "free_requested", "addr": 3, "size": 120},
+        {"action": "alloc", "addr": 4, "size": 100, "frames": []},  # 160
+    ]
+    top, at, g = G.peak_groups({"device_traces": [[], trace]}, device=1)
+    assert (top, at) == (180, 6)
+    assert g == {"/r/fsdp_native/_unit.py:1 a": 120, "/r/fsdp_native/_reduce.py:2 b": 60}
+    assert G.peak_groups({"device_traces": [[]]}) == (0, 0, {})
