@@ -544,8 +544,10 @@ _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
 def _cvt(device: torch.device) -> bool:
-    """Whether launches on ``device`` use the conversion instructions (HW_CVT)."""
-    if not HW_CVT or device.type != "cuda":
+    """Whether launches on ``device`` use the conversion instructions (HW_CVT): NVIDIA GPUs of
+    compute capability 8.9 and up (checked on sm_90; ROCm's "cuda" devices take the integer
+    math)."""
+    if not HW_CVT or device.type != "cuda" or torch.version.hip is not None:
         return False
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _CAPABILITY:
