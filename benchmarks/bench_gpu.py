@@ -248,8 +248,10 @@ def memory_run(impl: str, tc: TrainConfig, env: Env, mesh) -> dict:
     """One implementation from its own start: bytes relative to memory_allocated() there."""
     _collect(env)
     base = env.allocated()
+    requested = lambda: torch.cuda.memory_stats().get("requested_bytes.all.current", 0)  # noqa: E731
     if env.cuda:
         torch.cuda.reset_peak_memory_stats()
+        req_base = requested()
     run = Run(impl, tc, env, mesh)
     env.sync()
     res: dict = {"impl": impl, "start_bytes": base}
@@ -264,6 +266,9 @@ def memory_run(impl: str, tc: TrainConfig, env: Env, mesh) -> dict:
         if env.cuda:
             res["step_peak"] = torch.cuda.max_memory_allocated() - base
             res["between_steps"] = torch.cuda.memory_allocated() - base
+            # the same in bytes the tensors asked for (the caching allocator's rounding left out)
+            res["step_peak_requested"] = torch.cuda.memory_stats().get("requested_bytes.all.peak", 0) - req_base
+            res["between_steps_requested"] = requested() - req_base
             res["block_backward_start"] = [b - base if b is not None else None for b in run.bwd_start]
     del run
     _collect(env)
@@ -523,7 +528,8 @@ def format_report(result: dict) -> str:
         else:
             lines.append(f"| {r['config']} | {ia} | error | {ib} | error | - |")
     lines += ["", "Memory, MiB over each run's start (A / B):", "",
-              "| config | step peak | between steps | block backward start (first, last block) |", "|---|---|---|---|"]
+              "| config | step peak | between steps | block backward start (first, last block) | step peak, between steps: requested |",
+              "|---|---|---|---|---|"]
     for r in result["train"]:
         mem, (ia, ib) = r.get("memory", {}), CONFIGS[r["config"]].impls
         a, b = mem.get(ia, {}), mem.get(ib, {})
@@ -535,7 +541,8 @@ def format_report(result: dict) -> str:
             return f"{_mib(va)} / {_mib(vb)}"
 
         bwd = f"{pair('block_backward_start', lambda v: v[0])}, {pair('block_backward_start', lambda v: v[-1])}"
-        lines.append(f"| {r['config']} | {pair('step_peak')} | {pair('between_steps')} | {bwd} |")
+        req = f"{pair('step_peak_requested')}, {pair('between_steps_requested')}"
+        lines.append(f"| {r['config']} | {pair('step_peak')} | {pair('between_steps')} | {bwd} | {req} |")
     lines += ["", "Packing ops against the floor (one flat copy of the same numel and dtypes):", "",
               "| work | op | device us | floor us | % of floor (device) | host us | % of floor (host) |", "|---|---|---|---|---|---|---|"]
     for row in result["ops"]["rows"]:

@@ -63,7 +63,8 @@ class Event:
 
 for name, fn in {"synchronize": lambda *a, **k: None, "empty_cache": lambda: None,
                  "reset_peak_memory_stats": lambda *a: None, "memory_allocated": allocated,
-                 "max_memory_allocated": allocated, "_sleep": lambda n: None, "Event": Event}.items():
+                 "max_memory_allocated": allocated, "_sleep": lambda n: None, "Event": Event,
+                 "memory_stats": lambda *a: {"requested_bytes.all.current": allocated(), "requested_bytes.all.peak": allocated()}}.items():
     setattr(torch.cuda, name, fn)
 
 H.init_fake_process_group(B.WORLD_SIZE)
@@ -75,7 +76,7 @@ mem = {impl: B.memory_run(impl, tc, env, mesh) for impl in tc.impls}
 for m in mem.values():
     assert len(m["block_backward_start"]) == B.OVERHEAD_SMOKE.n_blocks, m
     assert all(isinstance(v, int) for v in m["block_backward_start"]), m
-    for key in ("init_peak", "after_init", "step_peak", "between_steps", "after_delete"):
+    for key in ("init_peak", "after_init", "step_peak", "between_steps", "after_delete", "step_peak_requested", "between_steps_requested"):
         assert isinstance(m[key], int), (key, m)
 case = B.op_cases("work", B._block_shapes(B.OVERHEAD_SMOKE), env.device)[0]
 row = B.time_op_case(case, env, iters=2, reps=2)
