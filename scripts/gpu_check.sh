@@ -13,6 +13,9 @@
 #            quantization kernels vs the bandwidth floor)
 #   tests  : python3 -m pytest tests/test_cuda_*.py   (kernels bit for bit vs CPU, runtime parity
 #            and memory vs torch FSDP2 on NCCL world size 1)
+#   ncu    : (only when named) benchmarks/profile_quant_gpu.py under Nsight Compute: each quant
+#            kernel once (speed of light, occupancy, launch, warp stall reasons) -> ncu.csv;
+#            the stage log maps its rows onto the ops
 #   quantcpu: tests/test_quant_kernels.py on this machine's CPU (its best kernel level; the
 #            Triton tests left out)
 #   memcheck: compute-sanitizer --tool memcheck over the kernel tests
@@ -112,6 +115,15 @@ if want tests; then
 fi
 if want memsnap; then  # not in the default stages: who holds the memory, llama8b-bf16
   stage memsnap 240 bash -c "$PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 --at peak && $PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 && $PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 --at loss"
+fi
+if want ncu; then  # not in the default stages: the quant kernels under Nsight Compute
+  ncu_bin=$(command -v ncu || echo "${CUDA_HOME:-/usr/local/cuda}/bin/ncu")
+  if [[ -x $ncu_bin ]]; then
+    stage ncu 240 "$ncu_bin" --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --csv --log-file "$OUT/ncu.csv" "$PY" benchmarks/profile_quant_gpu.py
+  else
+    echo "=== gpu_check: ncu: skipped, no ncu (PATH, \$CUDA_HOME/bin)" | tee -a "$summary"
+  fi
 fi
 if want quantcpu; then
   stage quantcpu 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_quant_kernels.py -k "not triton and not cuda"

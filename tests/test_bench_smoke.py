@@ -194,3 +194,23 @@ def test_gpu_memory_snapshot_peak_replays_the_trace():
     assert (top, at) == (180, 6)
     assert g == {"/r/fsdp_native/_unit.py:1 a": 120, "/r/fsdp_native/_reduce.py:2 b": 60}
     assert G.peak_groups({"device_traces": [[]]}) == (0, 0, {})
+
+
+def test_profile_quant_gpu_lists_each_op_and_its_kernels():
+    """benchmarks/profile_quant_gpu.py (what ncu profiles on a GPU) on CPU: every quant op of
+    bench_gpu.py once, with the Triton kernels it launched (interpreted), in launch order."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_quant_gpu.py"), "--smoke", "--triton"],
+                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ": " in ln]
+    assert lines == [
+        "quantize fp8_tensorwise: _amax_kernel, _fp8_quantize_kernel",
+        "quantize fp8_tensorwise, amax given: _fp8_quantize_kernel",
+        "quantize_amax: _amax_kernel",
+        "dequantize fp8_tensorwise: _dequantize_kernel",
+        "quantize fp8_rowwise: _fp8_rows_kernel",
+        "dequantize fp8_rowwise: _dequantize_kernel",
+        "quantize nf4: _nf4_quantize_kernel",
+        "dequantize nf4: _dequantize_kernel",
+    ], r.stdout
