@@ -776,6 +776,29 @@ def test_conversion_instructions_match_integer_math_on_cuda():
         assert C.compare(what, True, False, 0, n, "cuda") == (0, None), what
 
 
+_CVT_SWITCH = r"""
+import torch
+from fsdp_native import quant as Q
+Q._import_triton_kernels()
+from fsdp_native.kernels import quant as K
+print(K.HW_CVT, K._cvt(torch.device("cpu")))
+"""
+
+
+@pytest.mark.skipif(not _triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("value, want", [(None, "True False"), ("0", "False False"), ("1", "True False")])
+def test_conversion_instructions_switch(value, want):
+    """FSDP_NATIVE_TRITON_CVT=0 turns the conversion instructions off (HW_CVT); CPU tensors
+    never take them, whatever the switch."""
+    env = {k: v for k, v in os.environ.items() if k != "FSDP_NATIVE_TRITON_CVT"}
+    if value is not None:
+        env["FSDP_NATIVE_TRITON_CVT"] = value
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _CVT_SWITCH], env=env, cwd=here, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == want.split(), r.stdout
+
+
 _SOURCE_CHECKOUT = r"""
 import sys
 # as in a source checkout on PYTHONPATH: no installed package maps kernels/ to fsdp_native.kernels
