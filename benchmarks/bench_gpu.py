@@ -386,6 +386,15 @@ def op_cases(work: str, shapes: list[tuple[int, ...]], device) -> list[OpCase]:
     cases.append(OpCase(
         "copy-out bf16", work, lambda: ops.all_gather_copy_out(ag, padded, ws, params),
         flat_copy(n_params, bf16, bf16), n_params * 4, n_params * 4))
+    # the same copy the way torch FSDP2 makes it (one split_with_sizes_copy into (world size,
+    # padded shard) views of padded unsharded buffers), to time against ours; counted as the
+    # same bytes, so the two rows' percentages compare
+    ag_rows = ag.view(ws, n_shard)
+    torch_outs = [torch.empty(ws, p, device=device, dtype=bf16) for p in padded]
+    cases.append(OpCase(
+        "copy-out bf16 (torch FSDP2's split_with_sizes_copy)", work,
+        lambda: torch.split_with_sizes_copy(ag_rows, padded, dim=1, out=torch_outs),
+        flat_copy(n_params, bf16, bf16), n_params * 4, n_params * 4))
 
     grads = [randn(_numel(s), bf16).view(s) for s in shapes]
     for dst_dt in (bf16, f32):
@@ -394,6 +403,11 @@ def op_cases(work: str, shapes: list[tuple[int, ...]], device) -> list[OpCase]:
         cases.append(OpCase(
             f"rs copy-in {label}", work, lambda r=rs_in: ops.reduce_scatter_copy_in(grads, padded, ws, r),
             flat_copy(n_full, bf16, dst_dt), n_params * 2 + n_full * es[dst_dt], n_full * (2 + es[dst_dt])))
+        if dst_dt == bf16 and all(s[0] % ws == 0 for s in shapes):  # torch FSDP2's way: _chunk_cat
+            cases.append(OpCase(
+                "rs copy-in bf16 (torch FSDP2's _chunk_cat)", work,
+                lambda r=rs_in: torch._chunk_cat(grads, dim=0, num_chunks=ws, out=r.view(ws, -1)),
+                flat_copy(n_full, bf16, dst_dt), n_params * 2 + n_full * es[dst_dt], n_full * (2 + es[dst_dt])))
 
     for src_dt, acc in ((f32, False), (bf16, True)):
         out = randn(n_shard, src_dt)
