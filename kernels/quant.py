@@ -154,15 +154,20 @@ def _out_ptrs(addr, j, OUT: tl.constexpr, HINT: tl.constexpr = False, V: tl.cons
 
 @triton.jit
 def _find_param(starts, n_params, pid, LOG2: tl.constexpr):
-    """The last parameter p with starts[p] <= pid (parameters without tasks are skipped)."""
+    """The last parameter p with starts[p] <= pid (parameters without tasks are skipped), and
+    pid's task within it, pid - starts[p], from the search's own loads (starts[0] is 0): one
+    dependent load fewer before the program's first data."""
     lo = pid * 0
     hi = lo + n_params - 1
+    first = lo
     for _ in tl.static_range(LOG2):
         mid = (lo + hi + 1) // 2
-        go = (tl.load(starts + mid) <= pid).to(tl.int64)  # arithmetic, not tl.where: scalars
+        s = tl.load(starts + mid)
+        go = (s <= pid).to(tl.int64)  # arithmetic, not tl.where: scalars
         lo = lo + go * (mid - lo)
         hi = mid - 1 + go * (hi - mid + 1)
-    return lo
+        first = first + go * (s - first)
+    return lo, pid - first
 
 
 @triton.jit
@@ -286,9 +291,8 @@ def _fp8_tile(meta, starts, n_params, ROWWISE: tl.constexpr, LOG2: tl.constexpr,
     """This program's parameter and tile [lo, hi) of its padded shard; a rowwise tile lies
     within one row (row index ``r``)."""
     pid = tl.program_id(0).to(tl.int64)
-    p = _find_param(starts, n_params, pid, LOG2)
-    t = (pid - tl.load(starts + p)).to(tl.int32)  # task indices fit 32 bits (the grid does)
-    r, lo, hi = _tile_in(t, meta, p, ROWWISE, BLOCK)
+    p, t = _find_param(starts, n_params, pid, LOG2)
+    r, lo, hi = _tile_in(t.to(tl.int32), meta, p, ROWWISE, BLOCK)  # task indices fit 32 bits (the grid does)
     return p, r, lo, hi
 
 
@@ -383,8 +387,7 @@ def _fp8_rows_kernel(
     """fp8_rowwise, one program per row of at most NT tiles: the row's amax, then its codes
     (EVEN: every row a whole number of tiles)."""
     pid = tl.program_id(0).to(tl.int64)
-    p = _find_param(starts, n_params, pid, LOG2)
-    r = pid - tl.load(starts + p)
+    p, r = _find_param(starts, n_params, pid, LOG2)
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     row = _load_meta(meta, p, 3)
@@ -426,11 +429,10 @@ def _nf4_quantize_kernel(
     SA: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
-    p = _find_param(starts, n_params, pid, LOG2)
+    p, t = _find_param(starts, n_params, pid, LOG2)
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     padded = _load_meta(meta, p, 2)
-    t = pid - tl.load(starts + p)
     lo = t * NB * BS
     blk = t * NB + tl.arange(0, NB)
     e = tl.arange(0, NB)[:, None] * BS + tl.arange(0, BS)[None, :]  # elements of the tile
@@ -499,10 +501,10 @@ def _dequantize_kernel(
     """One tile of one rank's slice of a parameter: BLOCK elements (fp8_rowwise: within one
     row, so one scale), or BLOCK // BS whole NF4 blocks."""
     pid = tl.program_id(0).to(tl.int64)
-    p = _find_param(starts, n_params, pid, LOG2)
+    p, t = _find_param(starts, n_params, pid, LOG2)
+    t = t.to(tl.int32)  # task indices fit 32 bits (the grid does)
     numel = _load_meta(meta, p, 1)
     padded = _load_meta(meta, p, 2)
-    t = (pid - tl.load(starts + p)).to(tl.int32)  # task indices fit 32 bits (the grid does)
     per_rank = _load_meta(meta, p, 10).to(tl.int32)
     r = t // per_rank
     u = t - r * per_rank
