@@ -557,16 +557,10 @@ def _cvt(device: torch.device) -> bool:
     return _CAPABILITY[i] >= (8, 9)
 
 
-def _aligned4(*values: int) -> bool:
-    """Whether every address and byte offset is a multiple of 4 (fp32 scales may be accessed
-    as such)."""
-    return all(v % 4 == 0 for v in values)
-
-
-def _aligned(*values: int) -> bool:
-    """Whether every address and byte offset is a multiple of 16 (the launch may then tell the
-    compiler that its runs of 16 bytes are aligned)."""
-    return all(v % 16 == 0 for v in values)
+def _aligned(*values: int, to: int = 16) -> bool:
+    """Whether every address and byte offset is a multiple of ``to`` (16: the launch may tell
+    the compiler that its runs of 16 bytes are aligned; 4: fp32 scales may be accessed as such)."""
+    return all(v % to == 0 for v in values)
 
 
 # Device copies of the launch tables, by content. A unit's buffers stay put from step to step,
@@ -675,7 +669,7 @@ def _fp8_launches(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx
         hint = _aligned(out_ptr, *(shards[i].data_ptr() for i in idx)) and (
             not rowwise or all(row_numels[i] % v == 0 for i in idx)
         )
-        extra = {"TILES": tiles} if tiles else {"CVT": _cvt(device), "SA": out_ptr % 4 == 0}
+        extra = {"TILES": tiles} if tiles else {"CVT": _cvt(device), "SA": _aligned(out_ptr, to=4)}
         if n:
             launches.append(_Launch(kernel, n, meta, starts, args + (len(idx),), dict(
                 SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK, V=v, HINT=hint, **extra, **_OPTS,
@@ -708,7 +702,7 @@ def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_La
         hint = even and _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block % v == 0
         launches.append(_Launch(_fp8_rows_kernel, n, meta, starts, ("out", len(idx)), dict(
             SRC=_KIND[dtype], LOG2=_log2(len(idx)), BLOCK=block, NT=nt, V=v, HINT=hint, EVEN=even, CVT=_cvt(out.device),
-            SA=out.data_ptr() % 4 == 0,
+            SA=_aligned(out.data_ptr(), to=4),
             num_warps=_warps(block), **_OPTS,
         )))  # fmt: skip
     return launches
@@ -769,7 +763,7 @@ def _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax_g
             if n:
                 launches.append(_Launch(_nf4_quantize_kernel, n, meta, starts, ("out", len(idx)), dict(
                     SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, V=v, HINT=hint,
-                    SA=out.data_ptr() % 4 == 0, num_warps=8, **_OPTS,  # 16 elements a thread: 58 registers, not 168
+                    SA=_aligned(out.data_ptr(), to=4), num_warps=8, **_OPTS,  # 16 elements a thread: 58 registers, not 168
                 )))  # fmt: skip
         return 0, launches
     rowwise = format == Q.FP8_ROWWISE
@@ -840,7 +834,7 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
         )
         launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, "table", len(idx)), dict(
             FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, BLOCK=block, V=v, HINT=hint,
-            CVT=_cvt(gathered.device), SA=_aligned4(gathered.data_ptr(), rank_stride), num_warps=_warps(block), **_OPTS,
+            CVT=_cvt(gathered.device), SA=_aligned(gathered.data_ptr(), rank_stride, to=4), num_warps=_warps(block), **_OPTS,
         )))  # fmt: skip
     return launches
 
