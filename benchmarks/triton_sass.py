@@ -78,7 +78,6 @@ def record_launches(mod, work: list[tuple[int, ...]]) -> list[tuple[str, str, di
         padded = [ops.padded_shard_numel(s, WORLD_SIZE) for s in work]
         rows = [s[1] for s in work]
         shards = [torch.zeros(padded[i] if (RANK + 1) * padded[i] <= s[0] * s[1] else 0, dtype=torch.bfloat16) for i, s in enumerate(work)]
-        numel = sum(s.numel() for s in shards)
         for fmt in Q.FORMATS:
             out = torch.empty(Q.unit_layout(padded, rows, fmt).rank_nbytes, dtype=torch.uint8)
             current[0] = f"quantize {fmt}"
@@ -94,7 +93,9 @@ def record_launches(mod, work: list[tuple[int, ...]]) -> list[tuple[str, str, di
             mod.dequantize_copy_out_eager(gathered, padded, rows, WORLD_SIZE, fmt, 64, outs)
     finally:
         InterpretedFunction.run = orig
-    return [(op, name, dict(launch, numel=numel if op.startswith(("quantize", "quantize_amax")) else numel * WORLD_SIZE)) for op, name, launch in launches]
+    # the elements of each launch's own parameters (column 1 of its table: the shards', or
+    # the unsharded parameters' for a dequantize); a call may make a launch per group of them
+    return [(op, name, dict(launch, numel=int(launch["args"]["meta"].view(-1, 11)[:, 1].sum()))) for op, name, launch in launches]
 
 
 def _signature(fn, launch) -> tuple[dict, dict, dict]:

@@ -43,10 +43,12 @@ BLOCK = 4096
 TASK = 4096
 # Tiles per program of the amax pass (fewer atomics on one amax).
 AMAX_TILES = 2
-# fp8_rowwise rows up to this many elements are quantized by one program per row: its amax,
-# then its codes (the second read of the row comes from cache). Longer rows take an amax pass
-# over the unit and then the codes, two launches.
+# fp8_rowwise rows up to this many elements are quantized by programs that hold whole rows in
+# registers (ROW_ELEMS elements a program where rows are shorter): their amaxes, then their
+# codes, one read of the rows. Longer rows take an amax pass over the unit and then the codes,
+# two launches.
 ROW_FUSE_MAX = 16384
+ROW_ELEMS = 4096
 
 # Whether kernels on GPUs of compute capability 8.9 and up round fp32 to e4m3 and bf16, and
 # decode e4m3, with the GPU's conversion instructions (the same bits as the integer math, which
@@ -71,7 +73,7 @@ _OPTS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
 
 @triton.jit
 def _typed_ptrs(addr, j, KIND: tl.constexpr, HINT: tl.constexpr = False, V: tl.constexpr = 1):
-    """Pointers to elements ``j`` (1-D, or 2-D with contiguous rows) at raw address ``addr``,
+    """Pointers to elements ``j`` (1-D, or 2-D / 3-D with contiguous rows) at raw address ``addr``,
     of KIND 0 fp32, 1 uint16, 2 fp16, 3 uint32; HINT: as runs of V elements, each starting
     16-byte aligned. (A hint acts only in the function that made the pointers, hence here.)"""
     if KIND == 0:
@@ -85,8 +87,10 @@ def _typed_ptrs(addr, j, KIND: tl.constexpr, HINT: tl.constexpr = False, V: tl.c
     if HINT:
         if len(j.shape) == 1:
             p = tl.max_contiguous(tl.multiple_of(p, 16), V)
-        else:
+        elif len(j.shape) == 2:
             p = tl.max_contiguous(tl.multiple_of(p, [16, 16]), [1, V])
+        else:
+            p = tl.max_contiguous(tl.multiple_of(p, [16, 16, 16]), [1, 1, V])
     return p
 
 
@@ -98,14 +102,16 @@ def _src_ptrs(addr, j, SRC: tl.constexpr, HINT: tl.constexpr = False, V: tl.cons
 
 @triton.jit
 def _byte_ptrs(base, j, HINT: tl.constexpr = False, V: tl.constexpr = 1):
-    """``base + j`` (u8 pointers; 1-D, or 2-D with contiguous rows); HINT: as runs of V bytes,
+    """``base + j`` (u8 pointers; 1-D, or 2-D / 3-D with contiguous rows); HINT: as runs of V bytes,
     each starting V-byte aligned."""
     p = base + j
     if HINT:
         if len(j.shape) == 1:
             p = tl.max_contiguous(tl.multiple_of(p, V), V)
-        else:
+        elif len(j.shape) == 2:
             p = tl.max_contiguous(tl.multiple_of(p, [V, V]), [1, V])
+        else:
+            p = tl.max_contiguous(tl.multiple_of(p, [V, V, V]), [1, 1, V])
     return p
 
 
@@ -362,50 +368,53 @@ def _fp8_quantize_kernel(
 
 
 @triton.jit
-def _row_codes(src, codes, lo, row, numel, SRC: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr,
-               NT: tl.constexpr, V: tl.constexpr, CVT: tl.constexpr):  # fmt: skip
-    """The amax of the row at element ``lo``, then its codes (FULL: whole tiles of data);
-    returns its scale."""
-    m = tl.full([], 0, tl.int32)
-    for k in range(NT):
-        if k * BLOCK < row:
-            m = tl.maximum(m, _tile_amax(src, lo + k * BLOCK, lo + row, numel, SRC, FULL, HINT, BLOCK, V))
+def _rows_encode(x, CVT: tl.constexpr):
+    """Each row's scale (from its largest finite |x|) and the fp8 codes of rows ``x`` (R rows
+    of TPR tiles of TB elements)."""
+    m = tl.max(tl.max(_finite_abs_bits(x), axis=2), axis=1)
     scale = _fp8_scale(m.to(tl.float32, bitcast=True))
-    inv = tl.math.div_rn(1.0, scale)
-    for k in range(NT):
-        if k * BLOCK < row:
-            _tile_codes(src, codes, lo + k * BLOCK, lo + row, numel, inv, SRC, FULL, HINT, BLOCK, V, CVT)
-    return scale
+    return scale, _fp8_encode(x, tl.math.div_rn(1.0, scale)[:, None, None], CVT)
 
 
 @triton.jit
 def _fp8_rows_kernel(
     meta, starts, out, n_params,
-    SRC: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
-    EVEN: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr,
+    SRC: tl.constexpr, LOG2: tl.constexpr, R: tl.constexpr, TPR: tl.constexpr, TB: tl.constexpr, V: tl.constexpr,
+    HINT: tl.constexpr, EXACT: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr,
 ):  # fmt: skip
-    """fp8_rowwise, one program per row of at most NT tiles: the row's amax, then its codes
-    (EVEN: every row a whole number of tiles)."""
+    """fp8_rowwise, R whole rows per program, held in registers: a row as up to TPR tiles of
+    TB elements (TB divides every row of the launch; EXACT: every row is TPR tiles). The rows
+    are loaded at once, then each row's amax (one reduction), scale and codes, with no second
+    read. Rows past the shard's data (padding), and a row's elements past it, read as zeros:
+    codes 0 and scale 1. Column 10 of the table holds the parameter's rows."""
     pid = tl.program_id(0).to(tl.int64)
-    p, r = _find_param(starts, n_params, pid, LOG2)
+    p, t = _find_param(starts, n_params, pid, LOG2)
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     row = _load_meta(meta, p, 3)
-    lo = r * row
+    n_rows = _load_meta(meta, p, 10)
+    lo = t * R * row  # the program's first element
+    i = tl.arange(0, R)[:, None, None]
+    k = tl.arange(0, TPR)[None, :, None]
+    e = i * row + k * TB + tl.arange(0, TB)[None, None, :]  # elements of the program's rows, from lo
+    tiles = k < row // TB  # the row's tiles (a mask constant along each tile)
     codes = out + _load_meta(meta, p, 4)
-    if lo + row <= numel:  # a row of data (a sharded parameter's rows are all data or padding)
-        scale = _row_codes(src, codes, lo, row, numel, SRC, EVEN, HINT, BLOCK, NT, V, CVT)
-    elif lo < numel:  # a row that the shard's end cuts (callers that do not shard by rows)
-        scale = _row_codes(src, codes, lo, row, numel, SRC, False, HINT, BLOCK, NT, V, CVT)
-    else:
-        scale = tl.full([], 1.0, tl.float32)
-        j = tl.arange(0, BLOCK)
-        for k in range(NT):
-            a = lo + k * BLOCK
-            if k * BLOCK < row:
-                tl.store(codes + a + j, tl.zeros([BLOCK], tl.uint8), mask=a + j < lo + row)
-    _store_scales(out + _load_meta(meta, p, 6), r, scale, r >= 0, SA)
-    _zero_gaps_if(out, meta, p, lo + row == _load_meta(meta, p, 2))
+    if lo + R * row <= numel:  # R rows of data
+        ptrs = _src_ptrs(src + lo * (16 // V), e, SRC, HINT, V)
+        cptrs = _byte_ptrs(codes + lo, e, HINT, V)
+        if EXACT:
+            scale, c = _rows_encode(_widen(tl.load(ptrs), SRC), CVT)
+            tl.store(cptrs, c)
+        else:
+            scale, c = _rows_encode(_widen(tl.load(ptrs, mask=tiles, other=0), SRC), CVT)
+            tl.store(cptrs, c, mask=tiles)
+    else:  # the last rows of data, padding rows, or a row that the shard's end cuts
+        in_rows = tiles & (t * R + i < n_rows)
+        scale, c = _rows_encode(_widen(tl.load(_src_ptrs(src, lo + e, SRC), mask=in_rows & (lo + e < numel), other=0), SRC), CVT)
+        tl.store(codes + (lo + e), c, mask=in_rows)
+    r = t * R + tl.arange(0, R)
+    _store_scales(out + _load_meta(meta, p, 6), r, scale, r < n_rows, SA)
+    _zero_gaps_if(out, meta, p, t * R + R >= n_rows)
 
 
 @triton.jit
@@ -686,25 +695,30 @@ def _row_block(rows: list[int]) -> int:
 
 
 def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_Launch]:
-    """fp8_rowwise by one program per row, for rows of at most ROW_FUSE_MAX elements."""
+    """fp8_rowwise with whole rows in registers, for rows of at most ROW_FUSE_MAX elements: one
+    launch per source dtype and row width (the power of two at or above a row), its rows as
+    tiles of the largest power of two (up to BLOCK) that divides them all; ROW_ELEMS // width
+    rows a program, or one."""
     launches = []
     for dtype, idx in _groups(shards).items():
-        live = [i for i in idx if padded_numels[i]]
-        if not live:
-            continue
-        rows = [_meta_row(shards[i].data_ptr(), shards[i].numel(), padded_numels[i], row_numels[i], segs[i], 0) for i in idx]
-        counts = [padded_numels[i] // row_numels[i] if padded_numels[i] else 0 for i in idx]
-        meta, starts, n = _launch_tables(rows, counts, out.device)
+        widths: dict[int, list[int]] = {}
+        for i in idx:
+            if padded_numels[i]:
+                widths.setdefault(1 << (row_numels[i] - 1).bit_length(), []).append(i)
         v = 16 // dtype.itemsize
-        block = _row_block([row_numels[i] for i in live])
-        even = all(row_numels[i] % block == 0 for i in live)
-        nt = -(-max(row_numels[i] for i in live) // block)
-        hint = even and _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block % v == 0
-        launches.append(_Launch(_fp8_rows_kernel, n, meta, starts, ("out", len(idx)), dict(
-            SRC=_KIND[dtype], LOG2=_log2(len(idx)), BLOCK=block, NT=nt, V=v, HINT=hint, EVEN=even, CVT=_cvt(out.device),
-            SA=_aligned(out.data_ptr(), to=4),
-            num_warps=_warps(block), **_OPTS,
-        )))  # fmt: skip
+        for rb, sub in sorted(widths.items()):
+            tb = min([BLOCK] + [row_numels[i] & -row_numels[i] for i in sub])
+            per = max(1, ROW_ELEMS // rb)
+            n_rows = [padded_numels[i] // row_numels[i] for i in sub]
+            rows = [_meta_row(shards[i].data_ptr(), shards[i].numel(), padded_numels[i], row_numels[i], segs[i], 0, m)
+                    for i, m in zip(sub, n_rows)]  # fmt: skip
+            meta, starts, n = _launch_tables(rows, [-(-m // per) for m in n_rows], out.device)
+            hint = tb % v == 0 and _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in sub))
+            launches.append(_Launch(_fp8_rows_kernel, n, meta, starts, ("out", len(sub)), dict(
+                SRC=_KIND[dtype], LOG2=_log2(len(sub)), R=per, TPR=rb // tb, TB=tb, V=v, HINT=hint,
+                EXACT=all(row_numels[i] == rb for i in sub), CVT=_cvt(out.device), SA=_aligned(out.data_ptr(), to=4),
+                num_warps=max(1, min(16, per * rb // 512)), **_OPTS,
+            )))  # fmt: skip
     return launches
 
 
@@ -814,28 +828,34 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
         if not live:
             continue
         v = 16 // dtype.itemsize
-        if format == Q.FP8_ROWWISE:  # tiles within rows
-            block = _row_block([row_numels[i] for i in live])
-            tiles = [(padded_numels[i] // row_numels[i]) * -(-row_numels[i] // block) if i in live else 0 for i in idx]
+        if format == Q.FP8_ROWWISE:  # tiles within rows: a launch per tile size, so that one
+            # parameter's short rows do not shrink (or stretch) another's tiles
+            blocks: dict[int, list[int]] = {}
+            for i in live:
+                blocks.setdefault(_row_block([row_numels[i]]), []).append(i)
+            parts = sorted(blocks.items())
         else:
-            block = max(BLOCK, block_size) if format == Q.NF4 else BLOCK
-            tiles = [-(-padded_numels[i] // block) if i in live else 0 for i in idx]
-        rows = [
-            _meta_row(outs[i].data_ptr(), outs[i].numel(), padded_numels[i], row_numels[i], layout.segments[i], 0, t)
-            for i, t in zip(idx, tiles)
-        ]
-        counts = [world_size * t for t in tiles]
-        meta, starts, n = _launch_tables(rows, counts, gathered.device)
-        hint = (
-            _aligned(gathered.data_ptr(), rank_stride, *(outs[i].data_ptr() for i in idx))
-            and all(padded_numels[i] % v == 0 for i in idx)
-            and (format != Q.FP8_ROWWISE or all(row_numels[i] % v == 0 for i in live))
-            and (format != Q.NF4 or block_size % v == 0)
-        )
-        launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, "table", len(idx)), dict(
-            FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, BLOCK=block, V=v, HINT=hint,
-            CVT=_cvt(gathered.device), SA=_aligned(gathered.data_ptr(), rank_stride, to=4), num_warps=_warps(block), **_OPTS,
-        )))  # fmt: skip
+            parts = [(max(BLOCK, block_size) if format == Q.NF4 else BLOCK, live)]
+        for block, sub in parts:
+            if format == Q.FP8_ROWWISE:
+                tiles = [(padded_numels[i] // row_numels[i]) * -(-row_numels[i] // block) for i in sub]
+            else:
+                tiles = [-(-padded_numels[i] // block) for i in sub]
+            rows = [
+                _meta_row(outs[i].data_ptr(), outs[i].numel(), padded_numels[i], row_numels[i], layout.segments[i], 0, t)
+                for i, t in zip(sub, tiles)
+            ]
+            meta, starts, n = _launch_tables(rows, [world_size * t for t in tiles], gathered.device)
+            hint = (
+                _aligned(gathered.data_ptr(), rank_stride, *(outs[i].data_ptr() for i in sub))
+                and all(padded_numels[i] % v == 0 for i in sub)
+                and (format != Q.FP8_ROWWISE or all(row_numels[i] % v == 0 for i in sub))
+                and (format != Q.NF4 or block_size % v == 0)
+            )
+            launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, "table", len(sub)), dict(
+                FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(sub)), BS=block_size, BLOCK=block, V=v, HINT=hint,
+                CVT=_cvt(gathered.device), SA=_aligned(gathered.data_ptr(), rank_stride, to=4), num_warps=_warps(block), **_OPTS,
+            )))  # fmt: skip
     return launches
 
 

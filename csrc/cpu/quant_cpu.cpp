@@ -482,8 +482,11 @@ FSDPN_AVX2 FSDPN_INLINE __m256i fp8_mag8_avx2(__m256 x, __m256 inv, __m256i& qb,
 }
 
 // `pf`: the next row, pulled into the cache while this one is encoded (fp8_rows_avx2), or null.
-template <typename S, bool Bounded>
+// `Checked`: look for inf and NaN q per 32 elements; not where the amax pass found the source
+// finite and the scale came from it (then |q| < 464 everywhere: 6 operations per 32 fewer).
+template <typename S, bool Bounded, bool Checked = true>
 FSDPN_AVX2 FSDPN_INLINE void fp8_encode_avx2_impl(const S* x, int64_t n, float inv_scale, uint8_t* d, const char* pf) {
+  static_assert(Checked || Bounded, "an unchecked encode needs a scale from the finite data");
   const __m256 inv = _mm256_set1_ps(inv_scale);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
@@ -494,10 +497,12 @@ FSDPN_AVX2 FSDPN_INLINE void fp8_encode_avx2_impl(const S* x, int64_t n, float i
     __m256i c[4], q[4], qa[4];
     load32_avx2(x + i, v);
     for (int k = 0; k < 4; ++k) c[k] = fp8_mag8_avx2<Bounded>(v[k], inv, q[k], qa[k]);
-    const __m256i big = _mm256_max_epi32(_mm256_max_epi32(qa[0], qa[1]), _mm256_max_epi32(qa[2], qa[3]));
-    if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(big, _mm256_set1_epi32(0x7f7fffff))) != 0) {
-      fp8_encode_loop(x + i, 32, inv_scale, d + i);
-      continue;
+    if constexpr (Checked) {
+      const __m256i big = _mm256_max_epi32(_mm256_max_epi32(qa[0], qa[1]), _mm256_max_epi32(qa[2], qa[3]));
+      if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(big, _mm256_set1_epi32(0x7f7fffff))) != 0) {
+        fp8_encode_loop(x + i, 32, inv_scale, d + i);
+        continue;
+      }
     }
     const __m256i mag = bytes32_avx2<S>(c[0], c[1], c[2], c[3]);
     const __m256i sign = _mm256_and_si256(bytes32_avx2<S, true>(q[0], q[1], q[2], q[3]), _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -506,9 +511,9 @@ FSDPN_AVX2 FSDPN_INLINE void fp8_encode_avx2_impl(const S* x, int64_t n, float i
   fp8_encode_loop(x + i, n - i, inv_scale, d + i);
 }
 
-template <typename S, bool Bounded>
+template <typename S, bool Bounded, bool Checked = true>
 FSDPN_AVX2 void fp8_encode_avx2(const void* src, int64_t n, float inv_scale, uint8_t* d) {
-  fp8_encode_avx2_impl<S, Bounded>(static_cast<const S*>(src), n, inv_scale, d, nullptr);
+  fp8_encode_avx2_impl<S, Bounded, Checked>(static_cast<const S*>(src), n, inv_scale, d, nullptr);
 }
 
 // Largest |x| bits, inf and NaN included (an unsigned max of the |x| bits: NaN > inf > finite),
@@ -550,18 +555,24 @@ FSDPN_AVX2 uint32_t max_abs_avx2(const void* src, int64_t n) {
 }
 
 // fp8_rowwise over whole rows: each row's amax (the cheap pass over every |x| first, the finite
-// pass only for a row with an inf or NaN), its scale, then its codes by the bounded encode while
-// the next row is pulled into the cache (the amax pass waits on memory, the encode on arithmetic).
+// pass only for a row with an inf or NaN), its scale, then its codes by the bounded encode
+// (without the inf / NaN check where the row is finite) while the next row is pulled into the
+// cache (the amax pass waits on memory, the encode on arithmetic).
 template <typename S>
 FSDPN_AVX2 void fp8_rows_avx2(const void* src, int64_t row, int64_t rows, uint8_t* codes, uint8_t* scales) {
   const S* s = static_cast<const S*>(src);
   for (int64_t r = 0; r < rows; ++r) {
     const S* x = s + r * row;
-    uint32_t amax = max_abs_avx2<S>(x, row);
-    if (amax >= 0x7f800000u) amax = max_finite_abs_loop(x, row);
-    const float scale = fp8_scale(bits_float(amax));
+    const uint32_t any = max_abs_avx2<S>(x, row);
+    const bool finite = any < 0x7f800000u;
+    const float scale = fp8_scale(bits_float(finite ? any : max_finite_abs_loop(x, row)));
     std::memcpy(scales + 4 * r, &scale, 4);
-    fp8_encode_avx2_impl<S, true>(x, row, 1.0f / scale, codes + r * row, r + 1 < rows ? reinterpret_cast<const char*>(x + row) : nullptr);
+    const char* next = r + 1 < rows ? reinterpret_cast<const char*>(x + row) : nullptr;
+    if (finite) {
+      fp8_encode_avx2_impl<S, true, false>(x, row, 1.0f / scale, codes + r * row, next);
+    } else {
+      fp8_encode_avx2_impl<S, true>(x, row, 1.0f / scale, codes + r * row, next);
+    }
   }
 }
 
@@ -1425,14 +1436,14 @@ SrcFns src_fns(at::ScalarType t) {
                                   max_abs_x512<float>, fp8_encode_x512_fn<float, false, true>};
       if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
       if (have_avx2()) return {max_finite_abs_float, fp8_encode_avx2<float, false>, fp8_encode_avx2<float, true>, nf4_blocks_avx2<float>, fp8_rows_avx2<float>,
-                               max_abs_avx2<float>, fp8_encode_avx2<float, true>};
+                               max_abs_avx2<float>, fp8_encode_avx2<float, true, false>};
       return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
       if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_x512<bf16_t>, fp8_rows_x512<bf16_t>,
                                   max_abs_x512<bf16_t>, fp8_encode_x512_fn<bf16_t, false, true>};
       if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
       if (have_avx2()) return {max_finite_abs_bf16_t, fp8_encode_avx2<bf16_t, false>, fp8_encode_avx2<bf16_t, true>, nf4_blocks_avx2<bf16_t>, fp8_rows_avx2<bf16_t>,
-                               max_abs_avx2<bf16_t>, fp8_encode_avx2<bf16_t, true>};
+                               max_abs_avx2<bf16_t>, fp8_encode_avx2<bf16_t, true, false>};
       return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
     case at::kFloat: return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
