@@ -293,10 +293,14 @@ def _tile_in(t, meta, p, ROWWISE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_tile(meta, starts, n_params, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr):
+def _fp8_tile(meta, starts, n_params, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr,
+              REVERSE: tl.constexpr = False):  # fmt: skip
     """This program's parameter and tile [lo, hi) of its padded shard; a rowwise tile lies
-    within one row (row index ``r``)."""
-    pid = tl.program_id(0).to(tl.int64)
+    within one row (row index ``r``). REVERSE: the programs take the tiles last first."""
+    if REVERSE:
+        pid = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
+    else:
+        pid = tl.program_id(0).to(tl.int64)
     p, t = _find_param(starts, n_params, pid, LOG2)
     r, lo, hi = _tile_in(t.to(tl.int32), meta, p, ROWWISE, BLOCK)  # task indices fit 32 bits (the grid does)
     return p, r, lo, hi
@@ -350,9 +354,12 @@ def _amax_kernel(
 def _fp8_quantize_kernel(
     meta, starts, out, amax, n_params,
     SRC: tl.constexpr, ROWWISE: tl.constexpr, LOG2: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
-    CVT: tl.constexpr, SA: tl.constexpr,
+    CVT: tl.constexpr, SA: tl.constexpr, REVERSE: tl.constexpr,
 ):  # fmt: skip
-    p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK)
+    """The codes of one tile, from the amaxes of the call (given, or made by the amax pass just
+    before: then REVERSE, so that the tiles that pass read last, still in the GPU's L2 cache,
+    are read again first)."""
+    p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK, REVERSE)
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
     codes = out + _load_meta(meta, p, 4)
@@ -666,9 +673,10 @@ def _run(launches: list[_Launch], env: dict) -> None:
 
 
 def _fp8_launches(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, device, args: tuple,
-                  tiles: int = 0, out_ptr: int = 0) -> list[_Launch]:  # fmt: skip
+                  tiles: int = 0, out_ptr: int = 0, reverse: bool = False) -> list[_Launch]:  # fmt: skip
     """One launch of ``kernel`` per source dtype over every fp8 tile of the unit (``tiles``
-    tiles per program for the amax kernel; ``out_ptr``: where the codes go)."""
+    tiles per program for the amax kernel; ``out_ptr``: where the codes go; ``reverse``: the
+    codes' tiles last first)."""
     launches = []
     for dtype, idx in _groups(shards).items():
         rows = [_meta_row(shards[i].data_ptr(), shards[i].numel(), padded_numels[i], row_numels[i], segs[i], aidx[i]) for i in idx]
@@ -678,7 +686,7 @@ def _fp8_launches(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx
         hint = _aligned(out_ptr, *(shards[i].data_ptr() for i in idx)) and (
             not rowwise or all(row_numels[i] % v == 0 for i in idx)
         )
-        extra = {"TILES": tiles} if tiles else {"CVT": _cvt(device), "SA": _aligned(out_ptr, to=4)}
+        extra = {"TILES": tiles} if tiles else {"CVT": _cvt(device), "SA": _aligned(out_ptr, to=4), "REVERSE": reverse}
         if n:
             launches.append(_Launch(kernel, n, meta, starts, args + (len(idx),), dict(
                 SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK, V=v, HINT=hint, **extra, **_OPTS,
@@ -794,8 +802,9 @@ def _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax_g
     if not amax_given:
         launches += _fp8_launches(_amax_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device, ("bits",),
                                   tiles=1 if rowwise else AMAX_TILES)  # fmt: skip
-    launches += _fp8_launches(_fp8_quantize_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device,
-                              ("out", "amax"), out_ptr=out.data_ptr())  # fmt: skip
+    codes = _fp8_launches(_fp8_quantize_kernel, shards, padded_numels, row_numels, segs, rowwise, aidx, out.device,
+                          ("out", "amax"), out_ptr=out.data_ptr(), reverse=not amax_given)  # fmt: skip
+    launches += codes if amax_given else codes[::-1]  # after an amax pass: what it read last, first
     return (0 if amax_given else total), launches
 
 

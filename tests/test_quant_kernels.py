@@ -654,11 +654,13 @@ def triton_alignment_claims() -> None:
     ns = torch.ops.fsdp_native
     seen: list[tuple[str, bool, bool | None]] = []
     scales_aligned: list[tuple[str, bool | None]] = []
+    order: list[tuple[str, bool | None]] = []
     orig = InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
         seen.append((self.fn.__name__, kwargs["HINT"], kwargs.get("EXACT")))
         scales_aligned.append((self.fn.__name__, kwargs.get("SA")))
+        order.append((self.fn.__name__, kwargs.get("REVERSE")))
         return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     def claims(fn, *args):
@@ -694,6 +696,15 @@ def triton_alignment_claims() -> None:
                                           (g[:, :n], _off(out, True), False)):  # fmt: skip
                     got = claims(ns.dequantize_copy_out_triton, gathered, padded, rows, 2, fmt, 64, [o])
                     assert {h for _, h, _ in got} == {want}, (fmt, rows_of, got)
+        # the codes after an amax pass take the tiles last first (what the pass read last is
+        # still in a GPU's L2 cache); with a given amax, in order
+        for fmt, am in ((Q.FP8_TENSORWISE, None), (Q.FP8_TENSORWISE, torch.ones(1)), (Q.FP8_ROWWISE, None)):
+            n = Q.unit_layout(padded, [1] if fmt == Q.FP8_TENSORWISE else rows, fmt).rank_nbytes
+            order.clear()
+            claims(ns.quantize_copy_in_triton, [x], padded, [1] if fmt == Q.FP8_TENSORWISE else rows, fmt, 64, am,
+                   torch.empty(n, dtype=torch.uint8))  # fmt: skip
+            want = [("_amax_kernel", None), ("_fp8_quantize_kernel", True)] if am is None else [("_fp8_quantize_kernel", False)]
+            assert order == (want if fmt == Q.FP8_TENSORWISE else [("_fp8_rows_kernel", None)]), (fmt, order)
         # scale tables not 4-byte aligned (a uint8 buffer one byte in): written and read byte by
         # byte, no 4-byte access (the GPU faults on a misaligned one)
         for fmt in Q.FORMATS:
