@@ -179,6 +179,8 @@ def compile_launch(gpu_mod, name: str, launch: dict, arch: int, cvt: bool | None
     fn = getattr(gpu_mod, name)
     if "CVT" in launch["kwargs"]:
         launch = dict(launch, kwargs=dict(launch["kwargs"], CVT=arch >= 89 if cvt is None else cvt))
+    if "ASM" in launch["kwargs"]:  # inline PTX, as on an NVIDIA GPU (the recording ran on CPU tensors)
+        launch = dict(launch, kwargs=dict(launch["kwargs"], ASM=True))
     sig, consts, attrs = _signature(fn, launch)
     opts = {k: v for k, v in launch["kwargs"].items() if k in ("enable_fp_fusion", "enable_reflect_ftz", "num_warps")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)

@@ -6,8 +6,8 @@ Ops: ``fsdp_native::quantize_copy_in_triton``, ``dequantize_copy_out_triton`` an
 ops (csrc/quant.cpp), and the same bytes and values bit for bit (the math of
 csrc/quant_math.h restated: integer bit manipulation for the e4m3 and bf16 roundings, or on
 GPUs of compute capability 8.9 and up the conversion instructions, which give the same bits
-for every fp32 value (HW_CVT); ``div_rn`` for the correctly rounded reciprocals, no fused
-multiply-adds).
+for every fp32 value (HW_CVT); ``div_rn`` for the correctly rounded reciprocals; no fused
+multiply-adds but the NF4 code's cubic, whose result is exact whichever way it rounds).
 
 One launch covers a whole unit (one per source or destination dtype present, usually one;
 fp8_tensorwise adds the amax launch): every program finds its parameter by a binary search
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fsdp_native import quant as Q
-from fsdp_native._quant_ref import NF4_VALUES
+from fsdp_native._quant_ref import NF4_MIDPOINTS, NF4_VALUES
 
 # Elements per tile of the fp8 kernels (a program's share: large enough that its fixed cost,
 # finding its parameter in the table, is small per element); elements per program of NF4.
@@ -219,23 +219,34 @@ def _e4m3_value(c, CVT: tl.constexpr):
     return tl.where((b & 0x7F) == 0x7F, 0x7FC00000, v.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
+# _nf4_code_from's cubic, c0 + c1 v + c2 v^2 + c3 v^3: fitted to k + 0.5 at the k-th NF4 midpoint
+# (largest miss 0.1), then checked for every fp32 with |v| <= 1.001.
+NF4_CUBIC = (7.120029926300049, 11.414050102233887, 0.64410001039505, -4.424630165100098)
+_H0, _H1, _H2, _H3 = (tl.constexpr(c) for c in NF4_CUBIC)
+
+
 @triton.jit
-def _nf4_code(v):
-    """The number of NF4 midpoints (fp32, _quant_ref.NF4_MIDPOINTS, ascending) below v, by a
-    binary search: four compares against midpoints picked by the earlier answers (the same
-    count as fifteen compares; NaN compares false everywhere: 0)."""
-    b3 = v > 0.03979014977812767
-    b2 = v > tl.where(b3, 0.3893125355243683, -0.33967941999435425)
-    t1 = tl.where(b3, tl.where(b2, 0.6427869200706482, 0.2035212516784668),
-                  tl.where(b2, -0.13791173696517944, -0.6106328964233398))  # fmt: skip
-    b1 = v > t1
-    t0 = tl.where(
-        b3,
-        tl.where(b2, tl.where(b1, 0.8614784479141235, 0.5016634464263916), tl.where(b1, 0.2920137643814087, 0.120255246758461)),
-        tl.where(b2, tl.where(b1, -0.045525018125772476, -0.23460739850997925), tl.where(b1, -0.4599952697753906, -0.8480963706970215)),
-    )
-    b0 = v > t0
-    return (b3.to(tl.int32) << 3) | (b2.to(tl.int32) << 2) | (b1.to(tl.int32) << 1) | b0.to(tl.int32)
+def _nf4_code_from(v, mids, ASM: tl.constexpr):
+    """The NF4 code of v: the number of NF4 midpoints (``mids``: _quant_ref.NF4_MIDPOINTS as an
+    fp32 table) below v. A cubic h (NF4_CUBIC, fused multiply-adds) truncated is that count or
+    one less for every fp32 with |v| <= 1.001, so one compare with midpoint k finishes it (each
+    such v checked, with fused and with separate multiply-adds, by ``python
+    tests/test_quant_kernels.py --nf4-cubic``; the suite checks those near every midpoint and
+    every step of h, and 2^24 others). A NaN v: h truncates to 0 (an interpreter's NaN -> int
+    is negative, hence the maximum) and the compare is false: code 0. ASM: the table read by
+    inline PTX (NVIDIA GPUs), the same load, where Triton would move the tensors to another
+    layout for it and compute h three times. About 10 instructions an element where a binary
+    search over the midpoints took about 20."""
+    h = tl.fma(tl.fma(tl.fma(v, _H3, _H2), v, _H1), v, _H0)
+    k = tl.maximum(h.to(tl.int32), 0)
+    if ASM:
+        m = tl.inline_asm_elementwise(
+            "{ .reg .u64 a; mul.wide.u32 a, $1, 4; add.u64 a, a, $2; ld.global.nc.f32 $0, [a]; }", "=f,r,l",
+            [k, tl.broadcast_to(mids.to(tl.int64, bitcast=True), k.shape)], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        m = tl.load(mids + k)
+    return k + (v > m).to(tl.int32)
 
 
 @triton.jit
@@ -440,9 +451,9 @@ def _zero_gaps_if(out, meta, p, last):
 
 @triton.jit
 def _nf4_quantize_kernel(
-    meta, starts, out, n_params,
+    meta, starts, out, mids, n_params,
     SRC: tl.constexpr, LOG2: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, V: tl.constexpr, HINT: tl.constexpr,
-    SA: tl.constexpr,
+    SA: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     p, t = _find_param(starts, n_params, pid, LOG2)
@@ -460,7 +471,7 @@ def _nf4_quantize_kernel(
     m = tl.where(m == 0, 0x3F800000, tl.maximum(m, 0x00800000))  # 1, or at least 2^-126
     scale = tl.where(m >= 0x7F800000, 0x7FC00000, m).to(tl.float32, bitcast=True)
     inv = tl.math.div_rn(1.0, scale)
-    hi4, lo4 = tl.split(tl.reshape(_nf4_code(x * inv[:, None]), [NB, BS // 2, 2]))
+    hi4, lo4 = tl.split(tl.reshape(_nf4_code_from(x * inv[:, None], mids, ASM), [NB, BS // 2, 2]))
     byte = ((hi4 << 4) | lo4).to(tl.uint8)
     b = tl.arange(0, NB)[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # bytes of the tile
     codes = out + _load_meta(meta, p, 4)
@@ -602,13 +613,15 @@ def _launch_tables(rows: list[list[int]], counts: list[int], device) -> tuple[to
     return hit
 
 
-_NF4_TABLES: dict[str, torch.Tensor] = {}
+_NF4_TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def _nf4_table(device) -> torch.Tensor:
-    t = _NF4_TABLES.get(str(device))
+def _nf4_table(device, values: list[float] = NF4_VALUES) -> torch.Tensor:
+    """``values`` (NF4's values, or its midpoints) as an fp32 table on ``device``, made once."""
+    key = (str(device), tuple(values))
+    t = _NF4_TABLES.get(key)
     if t is None:
-        t = _NF4_TABLES[str(device)] = torch.tensor(NF4_VALUES, dtype=torch.float32).to(device)
+        t = _NF4_TABLES[key] = torch.tensor(values, dtype=torch.float32).to(device)
     return t
 
 
@@ -763,7 +776,7 @@ def quantize_copy_in_eager(
     if plan is None:
         layout = Q.check_quantize_args(shards, padded_numels, row_numels, format, block_size, amax, out)
         plan = _remember(key, _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax is not None, out, layout))
-    env = {"out": out, "amax": amax}
+    env = {"out": out, "amax": amax, "mids": _nf4_table(out.device, NF4_MIDPOINTS) if format == Q.NF4 else None}
     if plan[0]:  # the amaxes of this call, made by its first launch
         bits = env["bits"] = torch.zeros(plan[0], dtype=torch.int32, device=out.device)
         env["amax"] = bits.view(torch.float32)
@@ -783,9 +796,10 @@ def _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax_g
             v = 16 // dtype.itemsize
             hint = _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block_size % v == 0
             if n:
-                launches.append(_Launch(_nf4_quantize_kernel, n, meta, starts, ("out", len(idx)), dict(
+                launches.append(_Launch(_nf4_quantize_kernel, n, meta, starts, ("out", "mids", len(idx)), dict(
                     SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, V=v, HINT=hint,
-                    SA=_aligned(out.data_ptr(), to=4), num_warps=8, **_OPTS,  # 16 elements a thread: 58 registers, not 168
+                    SA=_aligned(out.data_ptr(), to=4), ASM=out.device.type == "cuda" and torch.version.hip is None,
+                    num_warps=8, **_OPTS,  # 16 elements a thread (with 4 warps, 3x the registers)
                 )))  # fmt: skip
         return 0, launches
     rowwise = format == Q.FP8_ROWWISE

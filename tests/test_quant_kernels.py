@@ -22,6 +22,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -905,6 +906,12 @@ def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
     units = [shapes, [(24, 1024), (12, 2048), (7, 1024)], [(6, 2048 + 8), (3, 4096)]]
     for u, shapes in enumerate(units):
         _triton_vs_cpp_unit(dev, shapes, gen, misaligned=u == 2)
+    # NF4 values on the midpoints and one fp32 step either side (scale 1: each block's largest
+    # |x| is 1), where the code's last compare decides
+    mids = torch.tensor(R.NF4_MIDPOINTS, dtype=f32)
+    edge = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))])
+    block = torch.cat([torch.tensor([1.0, -1.0]), edge, torch.zeros(64 - 2 - edge.numel())])
+    _triton_round_trip(dev, [torch.stack([block, block.flip(0)])], 2, Q.NF4, (f32,), False)
     # fp8_rowwise rows below 1 in magnitude and not a power of two long, several to a program,
     # whole programs of data and not (the tiles a row does not have must not count in its amax)
     for src in (f32, bf16):
@@ -1054,6 +1061,80 @@ def _triton_round_trip(dev, fulls, ws: int, fmt: str, out_dtypes, misaligned: bo
 
 if __name__ == "__main__" and "--triton" in sys.argv:
     triton_main()
+
+
+def nf4_cubic_bad(v: torch.Tensor) -> int:
+    """How many of the fp32 values ``v`` the NF4 quantize kernel's cubic (kernels/quant.py
+    NF4_CUBIC) truncates to a k that is neither their code (the count of midpoints below) nor
+    one below it, or outside 0-14: evaluated with fused multiply-adds (the GPU; each rounded
+    once) and with separate multiplies and adds (the interpreter)."""
+    Q._import_triton_kernels()
+    from fsdp_native.kernels import quant as K
+
+    c0, c1, c2, c3 = K.NF4_CUBIC
+    code = torch.searchsorted(torch.tensor(R.NF4_MIDPOINTS, dtype=torch.float32), v)
+    vd = v.double()
+    t = (vd * c3 + c2).float().double()
+    t = (t * vd + c1).float().double()
+    fused = (t * vd + c0).float()
+    separate = ((v * c3 + c2) * v + c1) * v + c0
+    bad = 0
+    for h in (fused, separate):
+        k = h.trunc().long()
+        bad += int(((h < 0) | (k > 14) | ((k != code) & (k != code - 1))).sum())
+    return bad
+
+
+def _f32_from_keys(keys: torch.Tensor) -> torch.Tensor:
+    """fp32 values from keys in their order (0: +0; -n: the n-th fp32 below zero)."""
+    bits = torch.where(keys >= 0, keys, (-keys) | (1 << 31)).to(torch.int64)
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+
+
+_NF4_V_MAX = int(torch.tensor(1.001, dtype=torch.float32).view(torch.int32))  # |v| <= 1.001, as a key
+
+
+def nf4_cubic_check_all() -> int:
+    """nf4_cubic_bad over every fp32 with |v| <= 1.001 (2^31 values; a few minutes)."""
+    bad, step = 0, 1 << 24
+    for lo in range(-_NF4_V_MAX, _NF4_V_MAX + 1, step):
+        bad += nf4_cubic_bad(_f32_from_keys(torch.arange(lo, min(lo + step, _NF4_V_MAX + 1), dtype=torch.int64)))
+    return bad
+
+
+@pytest.mark.skipif(not _triton_available(), reason="triton is not installed")
+def test_nf4_cubic_finds_every_code():
+    """The NF4 quantize kernel's code is trunc(h(v)) or one more, by one compare; h must never
+    miss by more. Every fp32 within 2^16 of each midpoint and of each point where h steps over
+    an integer, the ends, and 2^24 others (uniform in value and in bit pattern); every fp32 of
+    |v| <= 1.001 by `python tests/test_quant_kernels.py --nf4-cubic` (0 misses; 3-5 minutes)."""
+    from fsdp_native.kernels import quant as K
+
+    c0, c1, c2, c3 = K.NF4_CUBIC
+    grid = torch.linspace(-1.001, 1.001, 2_000_001, dtype=torch.float64)
+    h = ((grid * c3 + c2) * grid + c1) * grid + c0
+    steps = torch.nonzero(h.floor()[1:] != h.floor()[:-1]).view(-1)
+    assert 14 <= len(steps) <= 20, len(steps)  # h rises through 0-15 once (it may turn near the ends)
+    points = torch.cat([grid[steps], torch.tensor(R.NF4_MIDPOINTS, dtype=torch.float64), torch.tensor([-1.001, 0.0, 1.001])])
+    bits = points.float().view(torch.int32).long()
+    keys = torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
+    near = (keys[:, None] + torch.arange(-(1 << 16), 1 << 16)).view(-1).clamp(-_NF4_V_MAX, _NF4_V_MAX)
+    gen = torch.Generator().manual_seed(0)
+    uniform = torch.rand(1 << 23, generator=gen, dtype=torch.float64) * 2.002 - 1.001
+    any_bits = _f32_from_keys(torch.randint(-_NF4_V_MAX, _NF4_V_MAX + 1, (1 << 23,), generator=gen))
+    assert nf4_cubic_bad(torch.cat([_f32_from_keys(near), uniform.float(), any_bits])) == 0
+    # a cubic a little off is caught
+    saved = K.NF4_CUBIC
+    try:
+        K.NF4_CUBIC = (saved[0] + 0.45, *saved[1:])
+        assert nf4_cubic_bad(_f32_from_keys(near)) > 0
+    finally:
+        K.NF4_CUBIC = saved
+
+
+if __name__ == "__main__" and "--nf4-cubic" in sys.argv:
+    t0 = time.time()
+    print(f"NF4 cubic: {nf4_cubic_check_all()} misses over every fp32 with |v| <= 1.001 ({time.time() - t0:.0f} s)")
 
 
 # ----------------------------------------------------------------------------- CPU kernel levels
