@@ -590,31 +590,39 @@ struct Nf4Mids {
 };
 const Nf4Mids kNf4Mids;
 
-// The search in two steps of three independent compares, so that the chain from v to its code
-// is short (on Zen 3 the deeper binary search was bound by its latency, not by its operations):
-// the count c1 of v > m3, m7, m11 picks a group of 4 codes, and the count c2 of v > the group's
-// lower 3 midpoints (m[4 c1 + k], k < 3, looked up in-lane by VPERMILPS) the code in it,
-// 4 c1 + c2. The sum of the three masks of a step is minus its count, whose low 2 bits index
-// the tables directly (count 0, 1, 2, 3 -> 0, 3, 2, 1); the result is minus the code.
-struct Nf4SearchAvx2 {
-  __m256 m3, m7, m11, t[3];
-  __m256i base;  // -4 c1
-  FSDPN_AVX2 explicit Nf4SearchAvx2(const float* m) {
-    m3 = _mm256_set1_ps(m[3]), m7 = _mm256_set1_ps(m[7]), m11 = _mm256_set1_ps(m[11]);
-    for (int k = 0; k < 3; ++k) t[k] = _mm256_setr_ps(m[k], m[12 + k], m[8 + k], m[4 + k], m[k], m[12 + k], m[8 + k], m[4 + k]);
-    base = _mm256_setr_epi32(0, -12, -8, -4, 0, -12, -8, -4);
+// The code in few operations: a cubic h (kernels/quant.py NF4_CUBIC; fitted to k + 0.5 at the
+// k-th midpoint) truncated is the count of midpoints below v or one less for every fp32 with
+// |v| <= 1.001 (each one checked, fused multiply-adds as here: tests/test_quant_kernels.py
+// --nf4-cubic), so one compare with midpoint k (two VPERMPS tables and a blend) finishes it:
+// 10 operations per 8 elements where a search in two steps of three compares took 15. A NaN v
+// truncates to INT_MIN, which the maximum makes 0, and its compare is false: code 0. The
+// result is minus the code. Needs FMA (every AVX2 CPU the kernels were checked on has it).
+#define FSDPN_AVX2_FMA __attribute__((target("avx2,fma")))
+
+bool have_avx2_fma() {
+  static const bool v = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("fma") != 0;
+  }();
+  return v && have_avx2();
+}
+
+struct Nf4CubicAvx2 {
+  __m256 lo, hi, c0, c1, c2, c3;  // midpoints 0-7 and 8-14 (the 16th never read)
+  FSDPN_AVX2_FMA explicit Nf4CubicAvx2(const float* m) {
+    lo = _mm256_loadu_ps(m);
+    hi = _mm256_setr_ps(m[8], m[9], m[10], m[11], m[12], m[13], m[14], m[14]);
+    c0 = _mm256_set1_ps(7.120029926300049f), c1 = _mm256_set1_ps(11.414050102233887f);
+    c2 = _mm256_set1_ps(0.64410001039505f), c3 = _mm256_set1_ps(-4.424630165100098f);
   }
 };
 
-FSDPN_AVX2 FSDPN_INLINE __m256i nf4_neg_codes8_avx2(__m256 v, const Nf4SearchAvx2& t) {
-  const __m256i s1 = _mm256_add_epi32(
-      _mm256_add_epi32(_mm256_castps_si256(_mm256_cmp_ps(v, t.m3, _CMP_GT_OQ)), _mm256_castps_si256(_mm256_cmp_ps(v, t.m7, _CMP_GT_OQ))),
-      _mm256_castps_si256(_mm256_cmp_ps(v, t.m11, _CMP_GT_OQ)));
-  const __m256i a = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar_ps(t.t[0], s1), _CMP_GT_OQ));
-  const __m256i b = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar_ps(t.t[1], s1), _CMP_GT_OQ));
-  const __m256i c = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_permutevar_ps(t.t[2], s1), _CMP_GT_OQ));
-  const __m256i base = _mm256_castps_si256(_mm256_permutevar_ps(_mm256_castsi256_ps(t.base), s1));
-  return _mm256_add_epi32(_mm256_add_epi32(base, a), _mm256_add_epi32(b, c));
+FSDPN_AVX2_FMA FSDPN_INLINE __m256i nf4_neg_codes8_avx2(__m256 v, const Nf4CubicAvx2& t) {
+  const __m256 h = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_fmadd_ps(v, t.c3, t.c2), v, t.c1), v, t.c0);
+  const __m256i k = _mm256_max_epi32(_mm256_cvttps_epi32(h), _mm256_setzero_si256());
+  const __m256 m = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, k), _mm256_permutevar8x32_ps(t.hi, k),
+                                    _mm256_castsi256_ps(_mm256_slli_epi32(k, 28)));  // k > 7: the second table
+  return _mm256_sub_epi32(_mm256_castps_si256(_mm256_cmp_ps(v, m, _CMP_GT_OQ)), k);
 }
 
 // The largest |x| bits of 8 whole blocks (lane j: block j; a block is a multiple of 32
@@ -637,22 +645,33 @@ FSDPN_AVX2 FSDPN_INLINE __m256i nf4_amax8_avx2(const S* x, int64_t block) {
   return _mm256_max_epu32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
-// NF4 codes of one whole block (a multiple of 32 elements) at one inverse scale.
+// 32 elements' codes, two to a byte, into c[0, 16).
 template <typename S>
-FSDPN_AVX2 FSDPN_INLINE void nf4_block_avx2(const S* s, int64_t block, __m256 inv, const Nf4SearchAvx2& mid, uint8_t* c) {
-  for (int64_t k = 0; k < block; k += 32) {
-    __m256 v[4];
-    __m256i code[4];
-    load32_avx2(s + k, v);
-    for (int j = 0; j < 4; ++j) code[j] = nf4_neg_codes8_avx2(_mm256_mul_ps(v[j], inv), mid);
-    // Byte pairs (first, second) of the 32 negated codes as u16 lanes become 16 first + second
-    // (one multiply-add of the bytes, the codes as its signed operand, then a negation; no
-    // shifts), packed to 16 bytes.
-    const __m256i b8 = bytes32_avx2<S, true>(code[0], code[1], code[2], code[3]);
-    const __m256i pair = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_maddubs_epi16(_mm256_set1_epi16(0x0110), b8));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k / 2), _mm256_castsi256_si128(packed));
+FSDPN_AVX2_FMA FSDPN_INLINE void nf4_codes32_avx2(const S* s, __m256 inv, const Nf4CubicAvx2& mid, uint8_t* c) {
+  __m256 v[4];
+  __m256i code[4];
+  load32_avx2(s, v);
+  for (int j = 0; j < 4; ++j) code[j] = nf4_neg_codes8_avx2(_mm256_mul_ps(v[j], inv), mid);
+  // Byte pairs (first, second) of the 32 negated codes as u16 lanes become 16 first + second
+  // (one multiply-add of the bytes, the codes as its signed operand, then a negation; no
+  // shifts), packed to 16 bytes.
+  const __m256i b8 = bytes32_avx2<S, true>(code[0], code[1], code[2], code[3]);
+  const __m256i pair = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_maddubs_epi16(_mm256_set1_epi16(0x0110), b8));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm256_castsi256_si128(packed));
+}
+
+// NF4 codes of one whole block (a multiple of 32 elements) at one inverse scale, 64 elements a
+// step where the block allows: two independent chains of about 50 cycles each (on Zen 3 one
+// 32-element step at a time was bound by its latency, not its operations).
+template <typename S>
+FSDPN_AVX2_FMA FSDPN_INLINE void nf4_block_avx2(const S* s, int64_t block, __m256 inv, const Nf4CubicAvx2& mid, uint8_t* c) {
+  int64_t k = 0;
+  for (; k + 64 <= block; k += 64) {
+    nf4_codes32_avx2(s + k, inv, mid, c + k / 2);
+    nf4_codes32_avx2(s + k + 32, inv, mid, c + k / 2 + 16);
   }
+  if (k < block) nf4_codes32_avx2(s + k, inv, mid, c + k / 2);
 }
 
 // Runs of 8 whole blocks (while 8 blocks fit in 16 KiB, in L1 for the encode) get their amaxes,
@@ -660,10 +679,10 @@ FSDPN_AVX2 FSDPN_INLINE void nf4_block_avx2(const S* s, int64_t block, __m256 in
 // block's amax and its codes (that chain, about 45 cycles per 64-element block, is what the
 // encode waited on). A NaN scale (inf or NaN in the block) makes every v NaN: code 0, as the loop.
 template <typename S>
-FSDPN_AVX2 void nf4_blocks_avx2(const void* src, int64_t n, int64_t len, int64_t n_blocks, int64_t block,
-                                uint8_t* codes, uint8_t* scales) {
+FSDPN_AVX2_FMA void nf4_blocks_avx2(const void* src, int64_t n, int64_t len, int64_t n_blocks, int64_t block,
+                                    uint8_t* codes, uint8_t* scales) {
   const S* x = static_cast<const S*>(src);
-  const Nf4SearchAvx2 mid(kNf4Mids.v);
+  const Nf4CubicAvx2 mid(kNf4Mids.v);
   const int64_t whole = block % 32 == 0 && block * static_cast<int64_t>(sizeof(S)) <= 2048
                             ? std::min<int64_t>(n_blocks, std::max<int64_t>(0, std::min(n, len)) / block)
                             : 0;
@@ -1435,14 +1454,16 @@ SrcFns src_fns(at::ScalarType t) {
       if (have_avx512x()) return {max_finite_abs_x512_float, fp8_encode_x512_fn<float, true>, fp8_encode_x512_fn<float, false>, nf4_blocks_x512<float>, fp8_rows_x512<float>,
                                   max_abs_x512<float>, fp8_encode_x512_fn<float, false, true>};
       if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
-      if (have_avx2()) return {max_finite_abs_float, fp8_encode_avx2<float, false>, fp8_encode_avx2<float, true>, nf4_blocks_avx2<float>, fp8_rows_avx2<float>,
+      if (have_avx2()) return {max_finite_abs_float, fp8_encode_avx2<float, false>, fp8_encode_avx2<float, true>,
+                               have_avx2_fma() ? nf4_blocks_avx2<float> : nf4_blocks_float, fp8_rows_avx2<float>,
                                max_abs_avx2<float>, fp8_encode_avx2<float, true, false>};
       return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
       if (have_avx512x()) return {max_finite_abs_x512_bf16, fp8_encode_x512_fn<bf16_t, true>, fp8_encode_x512_fn<bf16_t, false>, nf4_blocks_x512<bf16_t>, fp8_rows_x512<bf16_t>,
                                   max_abs_x512<bf16_t>, fp8_encode_x512_fn<bf16_t, false, true>};
       if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
-      if (have_avx2()) return {max_finite_abs_bf16_t, fp8_encode_avx2<bf16_t, false>, fp8_encode_avx2<bf16_t, true>, nf4_blocks_avx2<bf16_t>, fp8_rows_avx2<bf16_t>,
+      if (have_avx2()) return {max_finite_abs_bf16_t, fp8_encode_avx2<bf16_t, false>, fp8_encode_avx2<bf16_t, true>,
+                               have_avx2_fma() ? nf4_blocks_avx2<bf16_t> : nf4_blocks_bf16_t, fp8_rows_avx2<bf16_t>,
                                max_abs_avx2<bf16_t>, fp8_encode_avx2<bf16_t, true, false>};
       return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
