@@ -354,6 +354,13 @@ bool have_avx2() {
   return v && isa_cap() >= 1;
 }
 
+// AVX2 and F16C (the fp8 decode), AVX2 and FMA (the NF4 encode).
+enum Avx2With { kF16c, kFma };
+bool have_avx2_with(Avx2With f) {
+  static const bool v[2] = {(__builtin_cpu_init(), __builtin_cpu_supports("f16c") != 0), __builtin_cpu_supports("fma") != 0};
+  return v[f] && have_avx2();
+}
+
 // --- AVX2 (CPUs without AVX-512: Zen 2/3, Haswell to Comet Lake) -------------------------------
 //
 // NF4 decode into bf16 with byte shuffles: per block, the 16 values store_value(t[k] * scale)
@@ -599,14 +606,6 @@ const Nf4Mids kNf4Mids;
 // result is minus the code. Needs FMA: CPUs with AVX2 and without it take the loop.
 #define FSDPN_AVX2_FMA __attribute__((target("avx2,fma")))
 
-bool have_avx2_fma() {
-  static const bool v = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("fma") != 0;
-  }();
-  return v && have_avx2();
-}
-
 struct Nf4CubicAvx2 {
   __m256 lo, hi, c0, c1, c2, c3;  // midpoints 0-7 and 8-14 (the 16th never read)
   FSDPN_AVX2_FMA explicit Nf4CubicAvx2(const float* m) {
@@ -757,14 +756,6 @@ FSDPN_AVX2 void fp8_decode_avx2_bf16(const uint8_t* codes, int64_t n, float scal
 // 9.6 ms with the even and odd elements apart (below). Other scales take the table (bf16) or
 // the loop (fp32).
 #define FSDPN_F16C __attribute__((target("avx2,f16c")))
-
-bool have_avx2_f16c() {
-  static const bool v = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("f16c") != 0;
-  }();
-  return v && have_avx2();
-}
 
 // e4m3 bytes (16, sign-extended to 16 bits) as fp16 bits: e4m3 value * 2^-8.
 FSDPN_F16C FSDPN_INLINE __m256i e4m3_fp16_bits16(__m128i b) {
@@ -1455,7 +1446,7 @@ SrcFns src_fns(at::ScalarType t) {
                                   max_abs_x512<float>, fp8_encode_x512_fn<float, false, true>};
       if (have_avx512()) return {max_finite_abs_float, fp8_encode_avx512<float>, fp8_encode_avx512<float>, nf4_blocks_avx512<float>};
       if (have_avx2()) return {max_finite_abs_float, fp8_encode_avx2<float, false>, fp8_encode_avx2<float, true>,
-                               have_avx2_fma() ? nf4_blocks_avx2<float> : nf4_blocks_float, fp8_rows_avx2<float>,
+                               have_avx2_with(kFma) ? nf4_blocks_avx2<float> : nf4_blocks_float, fp8_rows_avx2<float>,
                                max_abs_avx2<float>, fp8_encode_avx2<float, true, false>};
       return {max_finite_abs_float, fp8_encode_float, fp8_encode_float, nf4_blocks_float};
     case at::kBFloat16:
@@ -1463,7 +1454,7 @@ SrcFns src_fns(at::ScalarType t) {
                                   max_abs_x512<bf16_t>, fp8_encode_x512_fn<bf16_t, false, true>};
       if (have_avx512()) return {max_finite_abs_bf16_t, fp8_encode_avx512<bf16_t>, fp8_encode_avx512<bf16_t>, nf4_blocks_avx512<bf16_t>};
       if (have_avx2()) return {max_finite_abs_bf16_t, fp8_encode_avx2<bf16_t, false>, fp8_encode_avx2<bf16_t, true>,
-                               have_avx2_fma() ? nf4_blocks_avx2<bf16_t> : nf4_blocks_bf16_t, fp8_rows_avx2<bf16_t>,
+                               have_avx2_with(kFma) ? nf4_blocks_avx2<bf16_t> : nf4_blocks_bf16_t, fp8_rows_avx2<bf16_t>,
                                max_abs_avx2<bf16_t>, fp8_encode_avx2<bf16_t, true, false>};
       return {max_finite_abs_bf16_t, fp8_encode_bf16_t, fp8_encode_bf16_t, nf4_blocks_bf16_t};
 #else
@@ -1479,13 +1470,13 @@ DstFns dst_fns(at::ScalarType t) {
     case at::kFloat:
       if (have_avx512x()) return {fp8_decode_x512<float>, nf4_decode_x512<float>};
       if (have_avx512()) return {fp8_decode_avx512<float>, nf4_decode_avx512_float};
-      if (have_avx2_f16c()) return {fp8_decode_f16c<float>, nf4_decode_avx2_float};
+      if (have_avx2_with(kF16c)) return {fp8_decode_f16c<float>, nf4_decode_avx2_float};
       if (have_avx2()) return {fp8_decode_float, nf4_decode_avx2_float};
       return {fp8_decode_float, nf4_decode_float};
     case at::kBFloat16:
       if (have_avx512x()) return {fp8_decode_x512<bf16_t>, nf4_decode_x512<bf16_t>};
       if (have_avx512()) return {fp8_decode_avx512<bf16_t>, nf4_decode_avx512_bf16};
-      if (have_avx2_f16c()) return {fp8_decode_f16c<bf16_t>, nf4_decode_avx2_bf16};
+      if (have_avx2_with(kF16c)) return {fp8_decode_f16c<bf16_t>, nf4_decode_avx2_bf16};
       if (have_avx2()) return {fp8_decode_avx2_bf16, nf4_decode_avx2_bf16};
       return {fp8_decode_bf16_t, nf4_decode_bf16_t};
 #else
