@@ -351,13 +351,16 @@ def _amax_kernel(
     p, r, lo, hi = _fp8_tile(meta, starts, n_params, ROWWISE, LOG2, BLOCK * TILES)
     src = _load_meta(meta, p, 0)
     numel = _load_meta(meta, p, 1)
-    m = tl.full([], 0, tl.int32)
-    for k in range(TILES):
-        a = lo + k * BLOCK
-        if (a + BLOCK <= hi) & (a + BLOCK <= numel):
-            m = tl.maximum(m, _tile_amax(src, a, hi, numel, SRC, True, HINT, BLOCK, V))
-        else:
-            m = tl.maximum(m, _tile_amax(src, a, hi, numel, SRC, False, HINT, BLOCK, V))
+    if (lo + BLOCK * TILES <= hi) & (lo + BLOCK * TILES <= numel):  # whole tiles: loaded at once, one reduction
+        m = _tile_amax(src, lo, hi, numel, SRC, True, HINT, BLOCK * TILES, V)
+    else:
+        m = tl.full([], 0, tl.int32)
+        for k in range(TILES):
+            a = lo + k * BLOCK
+            if (a + BLOCK <= hi) & (a + BLOCK <= numel):
+                m = tl.maximum(m, _tile_amax(src, a, hi, numel, SRC, True, HINT, BLOCK, V))
+            else:
+                m = tl.maximum(m, _tile_amax(src, a, hi, numel, SRC, False, HINT, BLOCK, V))
     tl.atomic_max(amax_bits + _load_meta(meta, p, 9) + r, m)
 
 
