@@ -654,7 +654,8 @@ def _fp8_tiles(padded: int, row: int, rowwise: bool, block: int) -> int:
 
 class _Launch(NamedTuple):
     """One kernel launch of a plan: the grid, its tables, its other arguments (names of the
-    call's tensors, "out", "amax", "bits", "gathered", "table", or values) and constexprs."""
+    call's tensors, "out", "amax", "bits", "gathered", or values, the NF4 tables among them)
+    and constexprs."""
 
     kernel: object
     n: int
@@ -779,7 +780,7 @@ def quantize_copy_in_eager(
     if plan is None:
         layout = Q.check_quantize_args(shards, padded_numels, row_numels, format, block_size, amax, out)
         plan = _remember(key, _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax is not None, out, layout))
-    env = {"out": out, "amax": amax, "mids": _nf4_table(out.device, NF4_MIDPOINTS) if format == Q.NF4 else None}
+    env = {"out": out, "amax": amax}
     if plan[0]:  # the amaxes of this call, made by its first launch
         bits = env["bits"] = torch.zeros(plan[0], dtype=torch.int32, device=out.device)
         env["amax"] = bits.view(torch.float32)
@@ -799,7 +800,7 @@ def _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax_g
             v = 16 // dtype.itemsize
             hint = _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in idx)) and block_size % v == 0
             if n:
-                launches.append(_Launch(_nf4_quantize_kernel, n, meta, starts, ("out", "mids", len(idx)), dict(
+                launches.append(_Launch(_nf4_quantize_kernel, n, meta, starts, ("out", _nf4_table(out.device, NF4_MIDPOINTS), len(idx)), dict(
                     SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, V=v, HINT=hint,
                     SA=_aligned(out.data_ptr(), to=4), ASM=out.device.type == "cuda" and torch.version.hip is None,
                     num_warps=8, **_OPTS,  # 16 elements a thread (with 4 warps, 3x the registers)
@@ -842,7 +843,7 @@ def dequantize_copy_out_eager(
     if plan is None:
         layout = Q.check_dequantize_args(gathered, padded_numels, row_numels, world_size, format, block_size, outs)
         plan = _remember(key, (0, _dequantize_launches(gathered, padded_numels, row_numels, world_size, format, block_size, outs, layout)))
-    _run(plan[1], {"gathered": gathered, "table": _nf4_table(gathered.device)})
+    _run(plan[1], {"gathered": gathered})
 
 
 def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format, block_size, outs, layout) -> list[_Launch]:
@@ -878,7 +879,7 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
                 and (format != Q.FP8_ROWWISE or all(row_numels[i] % v == 0 for i in sub))
                 and (format != Q.NF4 or block_size % v == 0)
             )
-            launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, "table", len(sub)), dict(
+            launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, _nf4_table(gathered.device), len(sub)), dict(
                 FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(sub)), BS=block_size, BLOCK=block, V=v, HINT=hint,
                 CVT=_cvt(gathered.device), SA=_aligned(gathered.data_ptr(), rank_stride, to=4), num_warps=_warps(block), **_OPTS,
             )))  # fmt: skip
