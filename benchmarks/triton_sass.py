@@ -95,7 +95,7 @@ def record_launches(mod, work: list[tuple[int, ...]]) -> list[tuple[str, str, di
         InterpretedFunction.run = orig
     # the elements of each launch's own parameters (column 1 of its table: the shards', or
     # the unsharded parameters' for a dequantize); a call may make a launch per group of them
-    return [(op, name, dict(launch, numel=int(launch["args"]["meta"].view(-1, 11)[:, 1].sum()))) for op, name, launch in launches]
+    return [(op, name, dict(launch, numel=int(launch["args"]["meta"].view(-1, mod._COLS)[:, 1].sum()))) for op, name, launch in launches]
 
 
 def _signature(fn, launch) -> tuple[dict, dict, dict]:
