@@ -69,15 +69,14 @@ class Bucket:
         for e in self.entries:
             padded += [p for p, h in zip(e.unit.layout.padded, e.has_grad) if h]
             grads += [g for g, h in zip(e.grads, e.has_grad) if h]
+            e.grads.clear()  # the caller's list too: `grads` below is then their only owner
             e.grads = None
         total = sum(e.total for e in self.entries)
-        out = None
         group = first.info.shard_group
         by_all_reduce = ws > 1 and reduces_by_all_reduce(group)
-        if len(self.entries) == 1 and not by_all_reduce and first.can_reduce_in_place(self.entries[0].has_grad):
-            out = first.reduce_in_place_target()
+        in_place = len(self.entries) == 1 and not by_all_reduce and first.can_reduce_in_place(self.entries[0].has_grad)
         if ws == 1:
-            out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
+            out = first.reduce_in_place_target() if in_place else torch.empty(total, dtype=dtype, device=device)
             ops.reduce_scatter_copy_in(grads, padded, 1, out)
             del grads
             if pre is not None:
@@ -92,11 +91,15 @@ class Bucket:
             ops.reduce_scatter_copy_in(grads, padded, ws, rs_in)
             if pre is not None:
                 rs_in.div_(pre)
-            if by_all_reduce:
-                out = rs_in.narrow(0, first.rank * total, total)  # valid once the all-reduce is done
-            self.out = out if out is not None else torch.empty(total, dtype=dtype, device=device)
         st.wait(rs_in, st.compute, st.reduce_scatter)  # the unsharded gradients may be freed now
         del grads
+        # The output after the unsharded gradients are gone, as torch FSDP2 orders them: the
+        # step's peak is often here (the unit's unsharded gradients and its reduce-scatter input).
+        with st.use(st.reduce_scatter):
+            if by_all_reduce:
+                self.out = rs_in.narrow(0, first.rank * total, total)  # valid once the all-reduce is done
+            else:
+                self.out = first.reduce_in_place_target() if in_place else torch.empty(total, dtype=dtype, device=device)
         self.rs_in = rs_in
         if rec is not None:
             t1 = _trace.now_us()

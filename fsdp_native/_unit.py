@@ -617,10 +617,16 @@ class Unit:
             has_grad = [g is not None for g in grads]
             if self.policy_reduce_dtype is None and any(has_grad):
                 self._check_grad_dtypes(grads)
-            if any(has_grad):
-                self.ctx.reducer.add(self, grads, has_grad)
             for p in ups:
                 p.grad = None
+            if any(has_grad):
+                # Resharded first, as torch FSDP2 does: the unsharded parameters are freed
+                # before the reduce-scatter input is allocated, and `grads` is the only owner
+                # of the gradients left, which the reducer empties once they are copied in.
+                if self.reshard_after_backward:
+                    self.reshard()
+                self.ctx.reducer.add(self, grads, has_grad)
+                del grads
         if self.reshard_after_backward:
             self.reshard()
 

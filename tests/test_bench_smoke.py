@@ -198,6 +198,21 @@ def test_gpu_memory_snapshot_peak_replays_the_trace():
     assert G.peak_groups({"device_traces": [[]]}) == (0, 0, {})
 
 
+def test_gpu_memory_snapshot_cpu_replay():
+    """gpu_memory_snapshot.py --cpu: the highest bytes of the forward and of each block's
+    backward, for both implementations, from the CPU allocator's events (a tiny llama)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_memory_snapshot.py"), "llama8b-bf16", "--cpu",
+                        "--dims", "64", "160", "2", "2", "1", "128", "32"],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import re
+
+    rows = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^   (\S.*?)\s+([\d.]+) /\s+([\d.]+)\s+\(", r.stdout, re.M)}
+    assert list(rows) == ["forward and loss", "backward of blocks.1", "backward of blocks.0"], r.stdout
+    assert all(a > 0 and b > 0 for a, b in rows.values()), r.stdout
+    assert "== held at the top of the" in r.stdout and "fsdp_native/" in r.stdout, r.stdout
+
+
 def test_profile_quant_gpu_lists_each_op_and_its_kernels():
     """benchmarks/profile_quant_gpu.py (what ncu profiles on a GPU) on CPU: every quant op of
     bench_gpu.py once, with the Triton kernels it launched (interpreted), in launch order."""
