@@ -59,6 +59,13 @@ class Codec:
         """Frees what copy_out allocated; returns the bytes freed."""
         return 0
 
+    def post_forward_shard(self, unit, first: int, count: int) -> torch.Tensor | None:
+        """For an int reshard_after_forward: ranks ``[first, first + count)``'s chunks of the
+        all-gather, rebuilt from the unsharded parameters (torch FSDP2 also takes its
+        post-forward shard from them, after the all-gather buffer is gone); None when the
+        codec cannot, and the unit keeps the gathered slice from the copy-out instead."""
+        return None
+
 
 class PlainCodec(Codec):
     def __init__(self, layout: Layout, staged: bool, post_forward: bool = False) -> None:
@@ -109,6 +116,20 @@ class PlainCodec(Codec):
         outs = unit._unsharded_plain + [out[:0]] if layout.ag_tail else unit._unsharded_plain
         ops.all_gather_copy_out(out, layout.ag_segments, layout.world_size, outs)
         return 0
+
+    def post_forward_shard(self, unit, first: int, count: int) -> torch.Tensor:
+        # The copy-out's inverse for `count` chunks: chunk r of the gathered buffer holds each
+        # parameter's flat elements [r * segment, (r + 1) * segment), zero padded.
+        layout = self.layout
+        outs = unit._unsharded_plain + [unit._unsharded_plain[0][:0]] if layout.ag_tail else unit._unsharded_plain
+        parts = []
+        for t, seg in zip(outs, layout.ag_segments):
+            flat = t.reshape(-1)
+            lo = min(first * seg, flat.numel())
+            parts.append(flat.narrow(0, lo, min((first + count) * seg, flat.numel()) - lo))
+        shard = torch.empty(count * self.chunk, dtype=self.dtype, device=unit.device)
+        ops.reduce_scatter_copy_in(parts, layout.ag_segments, count, shard)
+        return shard
 
 
 class ExtensionCodec(Codec):

@@ -487,7 +487,10 @@ class Unit:
         allocated += self.codec.copy_out(self, out)
         if rec is not None:
             rec.span("all_gather_copy_out", "copy", self.fqn, t0, _trace.now_us())
-        if self.post_forward is not None:
+        in_backward = self.ctx is not None and self.ctx.in_backward
+        if self.post_forward is not None and not in_backward and type(self.codec).post_forward_shard is _codec.Codec.post_forward_shard:
+            # A codec that cannot rebuild its post-forward shard keeps the gathered slice
+            # until the forward's reshard (in the backward, nothing needs it).
             _, size, index = self.post_forward
             per = self.world_size // size * self.codec.chunk
             self._pf_keep = out.narrow(0, index * per, per)
@@ -528,8 +531,10 @@ class Unit:
             return
         self._to_sharded()
         keep = self._pf_keep
-        if after_forward and self.post_forward is not None and keep is not None:
-            self._pf_shard = keep.clone()
+        if after_forward and self.post_forward is not None:
+            _, size, index = self.post_forward
+            per = self.world_size // size
+            self._pf_shard = keep.clone() if keep is not None else self.codec.post_forward_shard(self, index * per, per)
         self._pf_keep = None
         self._free_unsharded()
 
@@ -596,6 +601,10 @@ class Unit:
         if not self.is_unsharded:
             return
         ups = self.unsharded_params
+        if self.reshard_after_backward:
+            # Resharded first, as torch FSDP2 does: the unsharded parameters are freed before
+            # the gradients are upcast for accumulation or packed into the reduce-scatter input.
+            self.reshard()
         acc = self._accumulated
         if acc is not None:  # add this micro-batch's gradients to the upcast accumulation
             for i, p in enumerate(ups):
@@ -620,15 +629,9 @@ class Unit:
             for p in ups:
                 p.grad = None
             if any(has_grad):
-                # Resharded first, as torch FSDP2 does: the unsharded parameters are freed
-                # before the reduce-scatter input is allocated, and `grads` is the only owner
-                # of the gradients left, which the reducer empties once they are copied in.
-                if self.reshard_after_backward:
-                    self.reshard()
+                # `grads` is now the gradients' only owner; the reducer empties it once they
+                # are copied into the reduce-scatter input.
                 self.ctx.reducer.add(self, grads, has_grad)
-                del grads
-        if self.reshard_after_backward:
-            self.reshard()
 
     def _check_grad_dtypes(self, grads: list) -> None:
         dtypes = sorted({str(g.dtype) for g in grads if g is not None})

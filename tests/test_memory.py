@@ -14,7 +14,11 @@ its own start after ``gc.collect()``, at world size 2 and at world size 1:
   reduction;
 * between steps (after ``optimizer.step()`` and ``zero_grad(set_to_none=True)``);
 * after meta-device init (``to_empty`` + ``reset_parameters``), before the first step;
-* no gradient storage outlives ``zero_grad(set_to_none=True)``.
+* no gradient storage outlives ``zero_grad(set_to_none=True)``;
+* the highest point of the forward and of each block's backward, from the CPU allocator's
+  every allocation and free (torch's profiler), at world size 8 on the fake process group
+  (``test_step_peak_at_most_torch``): what the sampled points above miss, such as the moment a
+  block's reduce-scatter input is allocated.
 
 A slack of 256 KiB covers Python objects, caches and allocator bookkeeping (the order the
 two libraries run in moves a few hundred KiB); a block's unsharded parameters are 1.5 MiB
@@ -30,6 +34,7 @@ import ctypes
 import gc
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -287,7 +292,7 @@ def test_to_empty_allocates_each_shard_once():
 
 
 _STEP_PEAK = r"""
-import os, sys
+import sys
 import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.distributed.device_mesh import init_device_mesh
@@ -295,11 +300,17 @@ from dist_utils import load_impl, ref_impl
 from models import ModelArgs, Transformer
 
 dist.init_process_group("fake", rank=3, world_size=8, store=FakeStore())
-mesh = init_device_mesh("cpu", (8,))
 # wide layers and few tokens: a block's backward peaks where its gradients are reduced (the
 # unsharded bf16 gradients, 1.5 MiB, and their fp32 reduce-scatter input, 3 MiB)
 args = ModelArgs(n_layers=3, dim=256, vocab_size=512, max_seq_len=16, n_heads=4)
 EventType = torch._C._profiler._EventType
+CONFIGS = {  # name: (reshard_after_forward of the blocks, HSDP, a micro-batch without gradient sync first)
+    "reshard": (True, False, False),
+    "no-reshard": (False, False, False),
+    "reshard-to-2": (2, False, False),
+    "hsdp-2x4": (True, True, False),
+    "accumulate": (True, False, True),
+}
 
 
 def walk(node):
@@ -308,14 +319,15 @@ def walk(node):
         yield from walk(c)
 
 
-def peaks(impl, reshard):
+def peaks(impl, reshard, hsdp, accumulate):
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(args)
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard")) if hsdp else init_device_mesh("cpu", (8,))
     mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
         impl.fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    impl.fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    impl.fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard is not False)
     model.to_empty(device="cpu")
     model.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -335,6 +347,10 @@ def peaks(impl, reshard):
         layer.register_forward_hook(mark(i))
 
     def step():
+        if accumulate:
+            model.set_requires_gradient_sync(False)
+            model(x).float().sum().backward()
+            model.set_requires_gradient_sync(True)
         model(x).float().sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -345,30 +361,35 @@ def peaks(impl, reshard):
     events = [n for root in prof.profiler.kineto_results.experimental_event_tree() for n in walk(root)
               if n.tag == EventType.Allocation]
     events.sort(key=lambda n: n.start_time_ns)
-    total, seg, out = 0, "forward", {}
+    total, seg, out, backwards = 0, "forward", {}, 0
     for n in events:  # bytes allocated over the step's start, the highest per segment
         size = n.extra_fields.alloc_size
         if 100003 <= size < 100003 + args.n_layers:
-            seg = f"backward of layers.{size - 100003}"
+            backwards += 1
+            seg = f"backward{backwards}_of_layers.{size - 100003}"
         total += size
         out[seg] = max(out.get(seg, 0), total)
     return out
 
 
-for reshard in (True, False):
+for name in sys.argv[1:]:
     for impl in (ref_impl(), load_impl()):
-        print(impl.name, reshard, " ".join(f"{k.replace(' ', '_')}={v}" for k, v in peaks(impl, reshard).items()))
+        print(impl.name, name, " ".join(f"{k}={v}" for k, v in peaks(impl, *CONFIGS[name]).items()))
 """
 
 
-def test_step_peak_at_most_torch():
+@pytest.mark.parametrize("config", ["reshard", "no-reshard", "reshard-to-2", "hsdp-2x4", "accumulate"])
+def test_step_peak_at_most_torch(config):
     """The highest bytes in use during a step, in the forward and in each block's backward, at
     most torch FSDP2's: the CPU allocator's every allocation and free, in order (torch's
     profiler with profile_memory), one rank's real work at world size 8 (fake process group),
-    bf16 parameters and fp32 reduction. A block's backward peaks where it reduces its gradients;
-    holding the unsharded parameters until after the reduce-scatter input was allocated (torch
-    frees them first) put that peak a layer's unsharded parameters over torch's, on a GPU too
-    (llama8b-bf16: +81 MiB at the step's peak)."""
+    bf16 parameters and fp32 reduction; blocks resharded after forward or not, or to 2 ranks;
+    HSDP; a micro-batch without gradient sync before the step's (its backward then holds
+    upcast gradients). Each of these was over torch before its fix: the unsharded parameters
+    still held when the reduce-scatter input (1.3 MiB over torch in a block's backward here; on
+    a GPU, +81 MiB at llama8b-bf16's step peak) or the upcast accumulators were allocated;
+    with reshard_after_forward=2, the whole all-gather buffer kept for the post-forward
+    shard through the block's forward and backward (+1.5 MiB)."""
     import os
     import subprocess
     import sys
@@ -376,17 +397,17 @@ def test_step_peak_at_most_torch():
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     env.update(OMP_NUM_THREADS="1", FSDP_NATIVE_SPIN_US="0")  # fake works never complete: no polling
-    r = subprocess.run([sys.executable, "-c", _STEP_PEAK], env=env, cwd=here, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", _STEP_PEAK, config], env=env, cwd=here, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = [line.split() for line in r.stdout.split("\n") if line.count("=") > 2]
-    assert len(lines) == 4, r.stdout
-    for (ref_name, ref_reshard, *ref), (name, reshard, *got) in (lines[0:2], lines[2:4]):
-        assert reshard == ref_reshard
-        ref, got = dict(kv.split("=") for kv in ref), dict(kv.split("=") for kv in got)
-        assert ref.keys() == got.keys() and len(ref) == 4, r.stdout
-        for seg, nbytes in ref.items():
-            assert int(nbytes) > 1 << 20, r.stdout  # the measure sees the parameters and gradients
-            assert int(got[seg]) <= int(nbytes) + SLACK, (
-                f"reshard_after_forward={reshard}: {name} peaked at {int(got[seg]) / 2**20:.2f} MiB in the "
-                f"{seg.replace('_', ' ')}, {ref_name} at {int(nbytes) / 2**20:.2f} MiB"
-            )
+    assert len(lines) == 2, r.stdout
+    (ref_name, _, *ref), (name, _, *got) = lines
+    ref, got = dict(kv.split("=") for kv in ref), dict(kv.split("=") for kv in got)
+    n_backward = 2 * 3 if config == "accumulate" else 3
+    assert ref.keys() == got.keys() and len(ref) == 1 + n_backward, r.stdout
+    for seg, nbytes in ref.items():
+        assert int(nbytes) > 1 << 20, r.stdout  # the measure sees the parameters and gradients
+        assert int(got[seg]) <= int(nbytes) + SLACK, (
+            f"{config}: {name} peaked at {int(got[seg]) / 2**20:.2f} MiB in the {seg.replace('_', ' ')}, "
+            f"{ref_name} at {int(nbytes) / 2**20:.2f} MiB"
+        )

@@ -112,12 +112,19 @@ def test_mixed_dtypes_world_size_1():
     run_distributed(_grid_ws1, 1)
 
 
-def _grid_hsdp():
-    run_grid([dict(mp=None, reshard=True, accum=2, dim=10, mesh_kind="hsdp")], _check, name="mixed-hsdp")
+def _grid_ws4():
+    configs = [
+        dict(mp=None, reshard=True, accum=2, dim=10, mesh_kind="hsdp"),
+        # the post-forward shard of a bytes all-gather with padding, rebuilt from the unsharded
+        # parameters after the forward and gathered again within 2 ranks in the backward
+        dict(mp=None, reshard=2, accum=2, dim=7),
+        dict(mp="bf16", reshard=2, accum=1, dim=7),
+    ]
+    run_grid(configs, _check, name="mixed-ws4")
 
 
-def test_mixed_dtypes_hsdp():
-    run_distributed(_grid_hsdp, 4)
+def test_mixed_dtypes_hsdp_and_int_reshard():
+    run_distributed(_grid_ws4, 4)
 
 
 def _mixed_grads() -> None:
