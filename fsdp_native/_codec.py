@@ -33,6 +33,8 @@ class Codec:
             straight into the unsharded parameters when the unit is waited on (as torch FSDP2
             at world size 1), so a prefetched unit holds no buffer before it is used.
         trace_copy_in: whether the unit records the copy-in as its own trace span.
+        rebuilds_post_forward: whether ``post_forward_shard`` can rebuild an int
+            reshard_after_forward's shard from the unsharded parameters.
     """
 
     dtype: torch.dtype
@@ -41,6 +43,7 @@ class Codec:
     in_place = False
     deferred = False
     trace_copy_in = True
+    rebuilds_post_forward = False
 
     def prepare(self, unit) -> int:
         """Called before each all-gather; returns its elements per rank."""
@@ -59,15 +62,18 @@ class Codec:
         """Frees what copy_out allocated; returns the bytes freed."""
         return 0
 
-    def post_forward_shard(self, unit, first: int, count: int) -> torch.Tensor | None:
-        """For an int reshard_after_forward: ranks ``[first, first + count)``'s chunks of the
-        all-gather, rebuilt from the unsharded parameters (torch FSDP2 also takes its
-        post-forward shard from them, after the all-gather buffer is gone); None when the
-        codec cannot, and the unit keeps the gathered slice from the copy-out instead."""
-        return None
+    def post_forward_shard(self, unit, first: int, count: int) -> torch.Tensor:
+        """For an int reshard_after_forward, where ``rebuilds_post_forward``: ranks
+        ``[first, first + count)``'s chunks of the all-gather, rebuilt from the unsharded
+        parameters at the forward's end (torch FSDP2 also takes its post-forward shard from
+        them, after the all-gather buffer is gone). Other codecs' units keep that slice of the
+        gathered buffer from the copy-out instead."""
+        raise NotImplementedError
 
 
 class PlainCodec(Codec):
+    rebuilds_post_forward = True
+
     def __init__(self, layout: Layout, staged: bool, post_forward: bool = False) -> None:
         self.layout = layout
         self.dtype = layout.param_dtype

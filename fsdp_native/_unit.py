@@ -488,7 +488,7 @@ class Unit:
         if rec is not None:
             rec.span("all_gather_copy_out", "copy", self.fqn, t0, _trace.now_us())
         in_backward = self.ctx is not None and self.ctx.in_backward
-        if self.post_forward is not None and not in_backward and type(self.codec).post_forward_shard is _codec.Codec.post_forward_shard:
+        if self.post_forward is not None and not in_backward and not self.codec.rebuilds_post_forward:
             # A codec that cannot rebuild its post-forward shard keeps the gathered slice
             # until the forward's reshard (in the backward, nothing needs it).
             _, size, index = self.post_forward
@@ -534,7 +534,10 @@ class Unit:
         if after_forward and self.post_forward is not None:
             _, size, index = self.post_forward
             per = self.world_size // size
-            self._pf_shard = keep.clone() if keep is not None else self.codec.post_forward_shard(self, index * per, per)
+            if self.codec.rebuilds_post_forward:
+                self._pf_shard = self.codec.post_forward_shard(self, index * per, per)
+            elif keep is not None:
+                self._pf_shard = keep.clone()
         self._pf_keep = None
         self._free_unsharded()
 
