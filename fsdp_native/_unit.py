@@ -625,7 +625,7 @@ class Unit:
                         p.grad = None
         else:
             grads = [acc[i] if acc is not None and acc[i] is not None else p.grad for i, p in enumerate(ups)]
-            self._accumulated = None
+            self._accumulated = acc = None  # `grads` holds the accumulations now, and only it
             has_grad = [g is not None for g in grads]
             if self.policy_reduce_dtype is None and any(has_grad):
                 self._check_grad_dtypes(grads)
