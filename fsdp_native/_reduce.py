@@ -75,8 +75,12 @@ class Bucket:
         group = first.info.shard_group
         by_all_reduce = ws > 1 and reduces_by_all_reduce(group)
         in_place = len(self.entries) == 1 and not by_all_reduce and first.can_reduce_in_place(self.entries[0].has_grad)
+
+        def new_out() -> torch.Tensor:  # the unit's fresh gradient buffer, or a plain one
+            return first.reduce_in_place_target() if in_place else torch.empty(total, dtype=dtype, device=device)
+
         if ws == 1:
-            out = first.reduce_in_place_target() if in_place else torch.empty(total, dtype=dtype, device=device)
+            out = new_out()
             ops.reduce_scatter_copy_in(grads, padded, 1, out)
             del grads
             if pre is not None:
@@ -99,7 +103,7 @@ class Bucket:
             if by_all_reduce:
                 self.out = rs_in.narrow(0, first.rank * total, total)  # valid once the all-reduce is done
             else:
-                self.out = first.reduce_in_place_target() if in_place else torch.empty(total, dtype=dtype, device=device)
+                self.out = new_out()
         self.rs_in = rs_in
         if rec is not None:
             t1 = _trace.now_us()
