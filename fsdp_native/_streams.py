@@ -42,11 +42,13 @@ class Streams:
         On CPU it blocks the thread until a gloo thread wakes it; for the short collectives
         of small units that wake-up is a large part of the latency, so the thread first polls
         the work for up to SPIN_S, yielding its core to whatever else is runnable between polls.
-        A CPU wait past FSDP_NATIVE_STALL_S is reported (``_stall``)."""
+        A CPU wait past FSDP_NATIVE_STALL_S is reported (``_stall``). The fake process group's
+        works never say they are complete, so they are waited on at once, without the poll."""
         if self.cuda:
             work.wait()
             return
-        if SPIN_S > 0 and getattr(work, "pollable", True) and not work.is_completed():
+        if SPIN_S > 0 and getattr(work, "pollable", True) and not isinstance(work, _NEVER_COMPLETE) \
+                and not work.is_completed():
             deadline = time.perf_counter() + SPIN_S
             while not work.is_completed() and time.perf_counter() < deadline:
                 os.sched_yield()
@@ -55,6 +57,10 @@ class Streams:
 
 # How long a CPU rank polls a collective before blocking on it (FSDP_NATIVE_SPIN_US, 0: never).
 SPIN_S = non_negative_int("FSDP_NATIVE_SPIN_US", 5000, "microseconds") / 1e6
+
+# Works whose is_completed() stays False though wait() returns at once (torch's fake process
+# group, testing and memory replays): polling them would spin the whole SPIN_S every time.
+_NEVER_COMPLETE = tuple(t for t in (getattr(torch._C._distributed_c10d, "FakeWork", None),) if t is not None)
 
 _CPU = Streams(torch.device("cpu"))
 

@@ -418,6 +418,20 @@ def test_cpu_collective_wait_polls_then_waits(monkeypatch):
     assert w.waited and w.polls == 0, f"polled {w.polls} times with polling off"
 
 
+def test_cpu_wait_does_not_poll_fake_process_group_work(monkeypatch):
+    # torch's fake process group (dry runs, memory estimates) hands out works whose
+    # is_completed() stays False though wait() returns at once: polling one would spin the
+    # whole budget on every collective.
+    from fsdp_native import _streams
+
+    FakeWork = torch._C._distributed_c10d.FakeWork
+    yields = []
+    monkeypatch.setattr(_streams, "SPIN_S", 1.0)
+    monkeypatch.setattr(_streams.os, "sched_yield", lambda: yields.append(1))
+    _streams.Streams(torch.device("cpu")).wait_work(FakeWork())
+    assert not yields, f"polled a fake process group's work {len(yields)} times"
+
+
 @pytest.mark.parametrize("raw", ["abc", "-5", "1.5"])
 def test_env_switch_rejects_bad_values(monkeypatch, raw):
     from fsdp_native._env import non_negative_int
