@@ -14,8 +14,14 @@ bytes allocated when that step began:
 * between steps (after ``optimizer.step()`` and ``zero_grad(set_to_none=True)``; relative to
   the run's start): at most torch's; and no gradient storage outlives ``zero_grad``.
 
-The slack is 64 KiB (the caching allocator rounds every block to 512 bytes; a unit's tensors
-are megabytes here, so one buffer held too long fails), plus 1 % between steps.
+Each point is compared twice: in the bytes the live tensors asked for (the allocator's
+``requested_bytes``) with a slack of 64 KiB (a unit's tensors are megabytes here, so one buffer
+held too long fails), and in ``memory_allocated`` with 1 MiB more. The caching allocator hands
+a request over 1 MiB (one of fsdp_native's flat buffers; torch FSDP2's per-parameter tensors
+here are smaller and come from the small-block pool) a whole free block when at most 1 MiB of
+it would remain, a remainder no other request could use: an H200 showed fsdp_native's 1.50 MiB
+unsharded buffer in a reused 2.39 MiB block, +0.88 MiB allocated with the same requested bytes.
+Between steps the slack is 64 KiB plus 1 %.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch
 from test_cuda_runtime import assert_no_failures, cuda, grid_failures, run_on_gpu
 
 SLACK = 64 << 10
+ROUNDING = 1 << 20  # the caching allocator's largest unsplit remainder of a large block (kSmallSize)
 
 
 def _args():
@@ -138,16 +145,15 @@ def _check(mp: bool, reshard: bool, meta: bool) -> None:
     assert got["n_grads"] > 0 and got["grads_freed"], "gradient storage outlived zero_grad(set_to_none=True)"
     assert ref["grads_freed"], "torch FSDP2's gradients outlived zero_grad (test harness)"
     assert got["marks"].keys() == ref["marks"].keys() and len(got["marks"]) == _args().n_layers + 1, (got["marks"], ref["marks"])
-    # (each message also gives the requested bytes: an excess of allocated bytes alone is the
-    # caching allocator's rounding of the blocks, not tensors held)
+    # the tensors held (requested bytes), then the allocator's blocks (within its rounding)
     over = [
         f"{where}: {mib(got['marks'][where])}, torch FSDP2 {mib(nbytes)} "
         f"(requested {mib(got['requested'][where])} against {mib(ref['requested'][where])})"
         for where, nbytes in ref["marks"].items()
-        if got["marks"][where] > nbytes + SLACK
+        if got["requested"][where] > ref["requested"][where] + SLACK or got["marks"][where] > nbytes + SLACK + ROUNDING
     ]
     assert not over, "allocated more than torch FSDP2 at: " + "; ".join(over)
-    assert got["peak"] <= ref["peak"] + SLACK, (
+    assert got["peak_requested"] <= ref["peak_requested"] + SLACK and got["peak"] <= ref["peak"] + SLACK + ROUNDING, (
         f"step peak {mib(got['peak'])}, torch FSDP2 {mib(ref['peak'])} "
         f"(requested {mib(got['peak_requested'])} against {mib(ref['peak_requested'])})"
     )
