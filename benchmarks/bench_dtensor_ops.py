@@ -2,9 +2,12 @@
 DTensor, fsdp_native's ShardedDTensor (same spec object for all operands, as a parameter, its
 gradient and its optimizer states have) and the plain local tensors.
 
-    .venv/bin/python benchmarks/bench_dtensor_ops.py [--rows 64 --cols 128 --iters 2000]
+    .venv/bin/python benchmarks/bench_dtensor_ops.py [--rows 64 --cols 128 --iters 2000] [--params 56]
 
 One process, gloo, world size 1, one thread; prints microseconds per op (best of 3 rounds).
+Then one ``AdamW(foreach=True).step()`` over `--params` such shards (the multi-tensor path
+torch's optimizers take on CUDA; 56 is the LoRA adapters of bench_gpu's NF4 QLoRA model), in
+milliseconds per step, best of 3 rounds of `--iters` / 20 steps.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--cols", type=int, default=128)
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--params", type=int, default=56)
     args = ap.parse_args()
     torch.set_num_threads(1)
     H.init_single_process_group("gloo")
@@ -73,6 +77,30 @@ def main() -> None:
                 cells.append(f"{best:.1f}")
             print(f"| `{name}` | {' | '.join(cells)} |")
     print(f"| all of the above | {' | '.join(f'{v:.1f}' for v in totals.values())} |")
+
+    def shards(kind):
+        out = []
+        for _ in range(args.params):
+            d = distribute_tensor(torch.randn(args.rows, args.cols), mesh, [Shard(0)])
+            local = d.to_local().clone()
+            p = torch.nn.Parameter({"DTensor": d, "ShardedDTensor": make_sharded(local, d._spec), "plain": local}[kind])
+            p.grad = torch.randn_like(p)
+            out.append(p)
+        return out
+
+    steps = max(args.iters // 20, 1)
+    cells = []
+    for kind in kinds:
+        opt = torch.optim.AdamW(shards(kind), lr=1e-3, foreach=True)
+        best = float("inf")
+        for _ in range(3):
+            opt.step()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                opt.step()
+            best = min(best, (time.perf_counter() - t0) / steps * 1e3)
+        cells.append(f"{best:.2f} ms")
+    print(f"| AdamW(foreach=True).step(), {args.params} parameters | {' | '.join(cells)} |")
     dist.destroy_process_group()
 
 

@@ -60,6 +60,30 @@ _OUT_OF_PLACE = frozenset(
     }
 )  # fmt: skip
 
+# The multi-tensor (foreach) forms of elementwise ops, which torch's optimizers run on CUDA
+# (and with foreach=True anywhere): position i of every list is one parameter's tensors, and
+# its sharding propagation is position i's spec, as for the single-tensor op. Only the overloads
+# DTensor itself has a strategy for: the others raise there, and must raise here too.
+_FOREACH_ELEMENTWISE = (
+    "add", "sub", "mul", "div", "lerp", "addcmul", "addcdiv", "sqrt", "neg", "abs", "sign",
+    "maximum", "minimum", "clamp_min", "clamp_max", "reciprocal", "exp", "pow", "zero",
+)  # fmt: skip
+
+
+def _foreach_overloads(inplace: bool) -> frozenset:
+    prop = DTensor._op_dispatcher.sharding_propagator
+    known = set(getattr(prop, "op_strategy_funcs", ())) | set(getattr(prop, "op_single_dim_strategy_funcs", ()))
+    ops = set()
+    for base in _FOREACH_ELEMENTWISE:
+        packet = getattr(aten, f"_foreach_{base}_" if inplace else f"_foreach_{base}", None)
+        if packet is not None:
+            ops.update(getattr(packet, name) for name in packet.overloads() if not name.endswith("out"))
+    return frozenset(ops & known)
+
+
+_FOREACH_INPLACE = _foreach_overloads(True)
+_FOREACH_OUT_OF_PLACE = _foreach_overloads(False)
+
 
 def _wrap(cls, local: torch.Tensor, spec, requires_grad: bool):
     """A `cls` DTensor over `local` with `spec` whose wrapper has storage offset 0 whatever
@@ -83,6 +107,10 @@ class ShardedDTensor(DTensor):
         inplace = func in _INPLACE
         if inplace or func in _OUT_OF_PLACE:
             out = _fast(func, args, kwargs, inplace)
+            if out is not NotImplemented:
+                return out
+        elif func in _FOREACH_INPLACE or func in _FOREACH_OUT_OF_PLACE:
+            out = _fast_foreach(func, args, kwargs, func in _FOREACH_INPLACE)
             if out is not NotImplemented:
                 return out
         return _delegate(func, args, kwargs)
@@ -148,6 +176,58 @@ def _fast(func, args, kwargs, inplace: bool):
     if out.dtype != first.dtype or out.shape != first.shape or out.stride() != first.stride():
         return NotImplemented  # e.g. zeros_like(p, dtype=...): the spec would not describe it
     return make_sharded(out, spec)
+
+
+def _fast_foreach(func, args, kwargs, inplace: bool):
+    """The foreach form of ``_fast``: the first tensor list is all DTensors, and position i of
+    every other tensor list has position i's spec (or is a 0-dim plain tensor); other arguments
+    are numbers, lists of numbers or 0-dim plain tensors. Runs on the local tensors; each result
+    keeps its position's spec."""
+    specs = firsts = None
+    local_args = []
+    for a in args:
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            if specs is None:
+                if not all(isinstance(t, DTensor) for t in a):
+                    return NotImplemented
+                specs = [t._spec for t in a]
+                if any(pl.is_partial() for spec in specs for pl in spec.placements):
+                    return NotImplemented  # a plain DTensor's pending sum beside a ShardedDTensor
+                firsts = [t._local_tensor for t in a]
+                local_args.append([t._local_tensor for t in a])
+                continue
+            if len(a) != len(specs):
+                return NotImplemented
+            locals_ = []
+            for t, spec in zip(a, specs):
+                if isinstance(t, DTensor):
+                    if t._spec is not spec and t._spec != spec:
+                        return NotImplemented
+                    locals_.append(t._local_tensor)
+                elif isinstance(t, torch.Tensor) and t.dim() == 0:
+                    locals_.append(t)
+                else:
+                    return NotImplemented
+            local_args.append(locals_)
+        elif isinstance(a, torch.Tensor):
+            if isinstance(a, DTensor) or a.dim() != 0:
+                return NotImplemented
+            local_args.append(a)
+        else:
+            local_args.append(a)
+    if specs is None:
+        return NotImplemented
+    if kwargs:
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor) or (k == "device" and v is not None):
+                return NotImplemented
+    out = func(*local_args, **(kwargs or {}))
+    if inplace:
+        return out
+    for o, first in zip(out, firsts):
+        if o.dtype != first.dtype or o.shape != first.shape or o.stride() != first.stride():
+            return NotImplemented
+    return [make_sharded(o, spec) for o, spec in zip(out, specs)]
 
 
 def _delegate(func, args, kwargs):

@@ -111,6 +111,65 @@ def _ops_body(mesh_kind: str, shape: tuple):
                 assert out._spec is x._spec, f"{name}: the fast path must reuse the argument's spec"
 
 
+# (name, op on (xs, ys, s): lists of two tensors, position i of xs and ys sharing a spec, s a
+# 0-dim tensor; fast path expected). The foreach forms torch's optimizers run on CUDA.
+_FOREACH_OPS = [
+    ("_foreach_mul_ number", lambda xs, ys, s: torch._foreach_mul_(xs, 0.9), True),
+    ("_foreach_mul_ list", lambda xs, ys, s: torch._foreach_mul_(xs, ys), True),
+    ("_foreach_mul_ 0-dim", lambda xs, ys, s: torch._foreach_mul_(xs, s), True),
+    ("_foreach_add_ alpha", lambda xs, ys, s: torch._foreach_add_(xs, ys, alpha=-0.5), True),
+    ("_foreach_add_ number", lambda xs, ys, s: torch._foreach_add_(xs, 1e-3), True),
+    ("_foreach_div_ numbers", lambda xs, ys, s: torch._foreach_div_(xs, [2.0, 3.0]), True),
+    ("_foreach_lerp_", lambda xs, ys, s: torch._foreach_lerp_(xs, ys, 0.1), True),
+    ("_foreach_addcmul_", lambda xs, ys, s: torch._foreach_addcmul_(xs, ys, ys, value=0.01), True),
+    ("_foreach_addcdiv_ numbers", lambda xs, ys, s: torch._foreach_addcdiv_(xs, ys, torch._foreach_add(torch._foreach_abs(ys), 1.0), [0.1, -0.2]), True),
+    ("_foreach_maximum_", lambda xs, ys, s: torch._foreach_maximum_(xs, ys), True),
+    ("_foreach_sqrt", lambda xs, ys, s: torch._foreach_sqrt(torch._foreach_abs(xs)), True),
+    ("_foreach_neg", lambda xs, ys, s: torch._foreach_neg(xs), True),
+    ("_foreach_zero_", lambda xs, ys, s: torch._foreach_zero_(xs), True),
+    # handed to DTensor:
+    ("_foreach_norm", lambda xs, ys, s: torch._foreach_norm(xs), False),
+    ("_foreach_mul_ DTensor", lambda xs, ys, s: torch._foreach_mul_(xs, ys[0].sum()), False),
+]  # fmt: skip
+
+
+def _foreach_body(mesh_kind: str, shape: tuple):
+    from fsdp_native import _dtensor
+    from fsdp_native._dtensor import ShardedDTensor, make_sharded
+
+    mesh = make_mesh(Cfg(mesh=mesh_kind))
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    s = torch.tensor(1.5)
+    delegated = []
+    real_delegate = _dtensor._delegate
+    _dtensor._delegate = lambda func, args, kwargs: delegated.append(func) or real_delegate(func, args, kwargs)
+    try:
+        for i, (name, op, fast) in enumerate(_FOREACH_OPS):
+            # position 1 has a different shape and its own spec: specs are matched per position
+            shapes = (shape, (shape[0] + 2,) + tuple(shape[1:]))
+            xs, xps, ys, yps = [], [], [], []
+            for j, shp in enumerate(shapes):
+                x, xp = _pair(shp, mesh, placements, seed=100 * i + 10 * j)
+                y, yp = _pair(shp, mesh, placements, seed=100 * i + 10 * j + 1)
+                xs.append(x), xps.append(xp), ys.append(make_sharded(y._local_tensor, x._spec)), yps.append(yp)
+            delegated.clear()
+            with torch.no_grad():
+                out = op(xs, ys, s)
+                ref = op(xps, yps, s)
+            for j in range(len(shapes)):
+                if out is not None:
+                    _same(f"{name}: result {j}", out[j], ref[j])
+                _same(f"{name}: first argument {j} afterwards", xs[j], xps[j])
+            if fast:
+                assert not delegated, f"{name}: handed to DTensor ({delegated}), expected the foreach fast path"
+                for j, o in enumerate(out or []):
+                    assert type(o) is ShardedDTensor and o._spec is xs[j]._spec, f"{name}: result {j} is {type(o).__name__}"
+            else:
+                assert delegated, f"{name}: expected to be handed to DTensor"
+    finally:
+        _dtensor._delegate = real_delegate
+
+
 def _equal_spec_and_autograd_body():
     """An operand with an equal spec object of its own (an optimizer state loaded from a
     checkpoint) still takes the fast path; autograd through fast-path ops gives DTensor's grads."""
@@ -153,12 +212,14 @@ def _inplace_spec_body():
 
 def _ws2_ops():
     run_grid([dict(mesh_kind="1d", shape=shape) for shape in ((8, 5), (7,), (5, 3))], _ops_body, "ops")
+    run_grid([dict(mesh_kind="1d", shape=shape) for shape in ((8, 5), (7,))], _foreach_body, "foreach ops")
     run_grid([{}], _inplace_spec_body, "in-place spec")
     run_grid([{}], _equal_spec_and_autograd_body, "equal spec, autograd")
 
 
 def _ws4_ops():
     run_grid([dict(mesh_kind="hsdp", shape=(6, 4))], _ops_body, "ops")
+    run_grid([dict(mesh_kind="hsdp", shape=(6, 4))], _foreach_body, "foreach ops")
 
 
 def test_ops_match_plain_dtensor_ws2():
