@@ -6,8 +6,9 @@ gradient and its optimizer states have) and the plain local tensors.
 
 One process, gloo, world size 1, one thread; prints microseconds per op (best of 3 rounds).
 Then one ``AdamW(foreach=True).step()`` over `--params` such shards (the multi-tensor path
-torch's optimizers take on CUDA; 56 is the LoRA adapters of bench_gpu's NF4 QLoRA model), in
-milliseconds per step, best of 3 rounds of `--iters` / 20 steps.
+torch's optimizers take on CUDA; 56 is the LoRA adapters of bench_gpu's NF4 QLoRA model) and
+one ``clip_grad_norm_`` (per tensor, as on CPU, and foreach, as on CUDA), in milliseconds per
+call, best of 3 rounds of `--iters` / 20 calls.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -84,23 +85,30 @@ def main() -> None:
             d = distribute_tensor(torch.randn(args.rows, args.cols), mesh, [Shard(0)])
             local = d.to_local().clone()
             p = torch.nn.Parameter({"DTensor": d, "ShardedDTensor": make_sharded(local, d._spec), "plain": local}[kind])
-            p.grad = torch.randn_like(p)
+            g = torch.randn_like(local)  # a gradient of the parameter's own type and spec
+            p.grad = {"DTensor": DTensor(g, d._spec, requires_grad=False), "ShardedDTensor": make_sharded(g, d._spec), "plain": g}[kind]
             out.append(p)
         return out
 
     steps = max(args.iters // 20, 1)
-    cells = []
-    for kind in kinds:
-        opt = torch.optim.AdamW(shards(kind), lr=1e-3, foreach=True)
-        best = float("inf")
-        for _ in range(3):
-            opt.step()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                opt.step()
-            best = min(best, (time.perf_counter() - t0) / steps * 1e3)
-        cells.append(f"{best:.2f} ms")
-    print(f"| AdamW(foreach=True).step(), {args.params} parameters | {' | '.join(cells)} |")
+    whole = {
+        "AdamW(foreach=True).step()": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True).step,
+        "clip_grad_norm_ (CPU default: per tensor)": lambda ps: lambda: torch.nn.utils.clip_grad_norm_(ps, 1e9),
+        "clip_grad_norm_(foreach=True)": lambda ps: lambda: torch.nn.utils.clip_grad_norm_(ps, 1e9, foreach=True),
+    }
+    for name, make in whole.items():
+        cells = []
+        for kind in kinds:
+            fn = make(shards(kind))
+            best = float("inf")
+            for _ in range(3):
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                best = min(best, (time.perf_counter() - t0) / steps * 1e3)
+            cells.append(f"{best:.2f} ms")
+        print(f"| {name}, {args.params} parameters | {' | '.join(cells)} |")
     dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import io
 
 import torch
@@ -77,6 +78,10 @@ _OPS = [
     ("zeros_like", lambda x, y, s: torch.zeros_like(x, memory_format=torch.preserve_format), True),
     ("clone", lambda x, y, s: x.clone(), True),
     ("detach", lambda x, y, s: x.detach(), True),
+    # a replicated 0-dim DTensor is a number to an elementwise op (clip_grad_norm_'s coefficient)
+    ("mul_ replicated 0-dim DTensor", lambda x, y, s: x.mul_(_rep(x, 0.5)), True),
+    ("div replicated 0-dim DTensor", lambda x, y, s: x / _rep(x, 0.25), True),
+    ("replicated 0-dim DTensor * x", lambda x, y, s: _rep(x, 3.0) * x, True),
     # handed to DTensor:
     ("zeros_like dtype", lambda x, y, s: torch.zeros_like(x, dtype=torch.bfloat16), False),
     ("to bf16", lambda x, y, s: x.to(torch.bfloat16), False),
@@ -87,7 +92,27 @@ _OPS = [
     ("full_tensor", lambda x, y, s: x.full_tensor(), False),
     ("redistribute", lambda x, y, s: x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim), False),
     ("to_local", lambda x, y, s: x.to_local() * 1, False),
+    ("mul_ partial 0-dim DTensor", lambda x, y, s: x.mul_(y.sum()), False),
 ]
+
+
+def _rep(x, value: float):
+    """A 0-dim DTensor replicated on x's mesh."""
+    return DTensor.from_local(torch.tensor(value), x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
+
+
+@contextlib.contextmanager
+def _delegations():
+    """The ops ShardedDTensor hands to DTensor's own dispatch while the block runs."""
+    from fsdp_native import _dtensor
+
+    seen = []
+    real = _dtensor._delegate
+    _dtensor._delegate = lambda func, args, kwargs: seen.append(func) or real(func, args, kwargs)
+    try:
+        yield seen
+    finally:
+        _dtensor._delegate = real
 
 
 def _ops_body(mesh_kind: str, shape: tuple):
@@ -100,12 +125,14 @@ def _ops_body(mesh_kind: str, shape: tuple):
         x, xp = _pair(shape, mesh, placements, seed=10 * i)
         y, yp = _pair(shape, mesh, placements, seed=10 * i + 1)
         y = make_sharded(y._local_tensor, x._spec)  # share x's spec object, as a gradient does
-        with torch.no_grad():
+        with torch.no_grad(), _delegations() as delegated:
             out = op(x, y, s)
+        with torch.no_grad():
             ref = op(xp, yp, s)
         _same(f"{name}: result", out, ref)
         _same(f"{name}: first argument afterwards", x, xp)
         if fast:
+            assert not delegated, f"{name}: handed to DTensor ({delegated}), expected the fast path"
             assert type(out) is ShardedDTensor, f"{name}: result is {type(out).__name__}, expected ShardedDTensor"
             if out is not x and isinstance(out, DTensor):
                 assert out._spec is x._spec, f"{name}: the fast path must reuse the argument's spec"
@@ -129,21 +156,18 @@ _FOREACH_OPS = [
     ("_foreach_zero_", lambda xs, ys, s: torch._foreach_zero_(xs), True),
     # handed to DTensor:
     ("_foreach_norm", lambda xs, ys, s: torch._foreach_norm(xs), False),
-    ("_foreach_mul_ DTensor", lambda xs, ys, s: torch._foreach_mul_(xs, ys[0].sum()), False),
+    ("_foreach_mul_ replicated 0-dim DTensor", lambda xs, ys, s: torch._foreach_mul_(xs, _rep(xs[0], 0.5)), True),
+    ("_foreach_mul_ partial 0-dim DTensor", lambda xs, ys, s: torch._foreach_mul_(xs, ys[0].sum()), False),
 ]  # fmt: skip
 
 
 def _foreach_body(mesh_kind: str, shape: tuple):
-    from fsdp_native import _dtensor
     from fsdp_native._dtensor import ShardedDTensor, make_sharded
 
     mesh = make_mesh(Cfg(mesh=mesh_kind))
     placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     s = torch.tensor(1.5)
-    delegated = []
-    real_delegate = _dtensor._delegate
-    _dtensor._delegate = lambda func, args, kwargs: delegated.append(func) or real_delegate(func, args, kwargs)
-    try:
+    with _delegations() as delegated:
         for i, (name, op, fast) in enumerate(_FOREACH_OPS):
             # position 1 has a different shape and its own spec: specs are matched per position
             shapes = (shape, (shape[0] + 2,) + tuple(shape[1:]))
@@ -166,8 +190,6 @@ def _foreach_body(mesh_kind: str, shape: tuple):
                     assert type(o) is ShardedDTensor and o._spec is xs[j]._spec, f"{name}: result {j} is {type(o).__name__}"
             else:
                 assert delegated, f"{name}: expected to be handed to DTensor"
-    finally:
-        _dtensor._delegate = real_delegate
 
 
 def _equal_spec_and_autograd_body():
