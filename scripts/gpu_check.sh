@@ -22,6 +22,9 @@
 #   memsnap: (only when named) benchmarks/gpu_memory_snapshot.py on llama8b-bf16: who holds
 #            the memory at the step's peak, between steps and after the forward, torch FSDP2
 #            vs fsdp_native
+#   profile: (only when named) benchmarks/profile_step_gpu.py on GPU_CHECK_PROFILE_CONFIG
+#            (default llama8b-nf4-qlora): step and host time, device idle and where the host
+#            was meanwhile, torch FSDP2 vs fsdp_native
 # and writes every log, the pytest JUnit XML, bench_gpu.json and summary.txt to $OUT
 # (default build/gpu_check), each as soon as its stage ends. Each stage has its own time
 # limit; a failed stage does not stop the others; the exit status is non-zero if any failed.
@@ -33,8 +36,11 @@
 # Environment: PY (default python3), OUT, TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS
 # (default: the core count), GPU_CHECK_BENCH_ARGS (extra bench_gpu.py arguments),
 # GPU_CHECK_TESTS (the test files of the tests stage), GPU_CHECK_DEADLINE_S (stop starting
-# stages, and cut each stage's limit, so that the whole run ends within this many seconds). Wheels in .whl/ (torchao, which the GPU image lacks) are
-# installed into /tmp/gpu_check_site first and put on PYTHONPATH.
+# stages, and cut each stage's limit, so that the whole run ends within this many seconds),
+# GPU_CHECK_BUNDLE=1 (at the end, pack every file of $OUT but summary.txt into
+# $OUT/gpu_check.tgz: a device tool that returns few files then returns them all). Wheels in
+# .whl/ (torchao, which the GPU image lacks) are installed into /tmp/gpu_check_site first and
+# put on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -116,6 +122,10 @@ fi
 if want memsnap; then  # not in the default stages: who holds the memory, llama8b-bf16
   stage memsnap 240 bash -c "$PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 --at peak && $PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 && $PY benchmarks/gpu_memory_snapshot.py llama8b-bf16 --at loss"
 fi
+if want profile; then  # not in the default stages: where the step's time goes
+  stage profile 200 "$PY" benchmarks/profile_step_gpu.py "${GPU_CHECK_PROFILE_CONFIG:-llama8b-nf4-qlora}" \
+    --json "$OUT/profile.json" --trace-dir "$OUT"
+fi
 if want ncu; then  # not in the default stages: the quant kernels under Nsight Compute
   ncu_bin=$(command -v ncu || echo "${CUDA_HOME:-/usr/local/cuda}/bin/ncu")
   if [[ -x $ncu_bin ]]; then
@@ -138,4 +148,8 @@ if want memcheck; then
   fi
 fi
 echo "=== gpu_check: $([[ $failed == 0 ]] && echo PASSED || echo FAILED); logs in $OUT" | tee -a "$summary"
+if [[ ${GPU_CHECK_BUNDLE:-0} == 1 ]]; then
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name summary.txt ! -name gpu_check.tgz -printf '%f\n' > /tmp/gpu_check_files \
+    && tar czf gpu_check.tgz -T /tmp/gpu_check_files && xargs rm -f < /tmp/gpu_check_files)
+fi
 exit $failed

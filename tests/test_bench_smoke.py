@@ -233,3 +233,41 @@ def test_profile_quant_gpu_lists_each_op_and_its_kernels():
         "quantize nf4: _nf4_quantize_kernel",
         "dequantize nf4: _dequantize_kernel",
     ], r.stdout
+
+
+def test_profile_step_gpu_smoke(tmp_path):
+    """benchmarks/profile_step_gpu.py on CPU: both implementations timed and profiled, each
+    trace written, the report's rows present; the device analysis on a hand-made trace."""
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/profile_step_gpu.py"), "llama8b-bf16", "--smoke", "--steps", "4",
+         "--profile-steps", "1", "--json", str(out), "--trace-dir", str(tmp_path)],
+        env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["impls"]) == {"torch", "fsdp_native"}
+    for impl, r in res["impls"].items():
+        assert r["step_ms"] > 0 and 0 < r["host_ms"] <= r["step_ms"] * 1.5, (impl, r)
+        assert r["top_self_cpu_ms"], impl
+        assert (tmp_path / f"trace_llama8b-bf16_{impl}.json.gz").stat().st_size > 0
+    assert "Optimizer.step#AdamW.step" in res["impls"]["torch"]["host_ms_by_annotation"]
+    assert "| step (median) |" in proc.stdout
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from profile_step_gpu import analyze_trace
+    finally:
+        sys.path.pop(0)
+    # two kernels with a 100 us gap inside "Optimizer.step#AdamW.step", then a 10 us one
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 200, "dur": 50},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "c", "ts": 260, "dur": 40},
+        {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 90, "dur": 120},
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::all_gather (blocks.0)", "ts": 0, "dur": 60},
+    ]}
+    a = analyze_trace(trace, steps=1)
+    assert (a["device_span_ms"], a["device_busy_ms"]) == (0.3, 0.19), a
+    assert a["idle_gaps_ms_by_annotation"] == {"Optimizer.step#AdamW.step": 0.1}, a
+    assert a["host_ms_by_annotation"] == {"Optimizer.step#AdamW.step": 0.12, "FSDP::all_gather": 0.06}, a
