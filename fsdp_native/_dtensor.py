@@ -158,6 +158,16 @@ def _same_mesh(a, b) -> bool:
     return a is b or a == b
 
 
+def _plain_kwargs(kwargs) -> bool:
+    """No tensor among the keyword arguments, and no device to move to."""
+    return not kwargs or not any(isinstance(v, torch.Tensor) or (k == "device" and v is not None) for k, v in kwargs.items())
+
+
+def _same_layout(out: torch.Tensor, local: torch.Tensor) -> bool:
+    """`out` can take `local`'s spec: same dtype, shape and strides."""
+    return out.dtype == local.dtype and out.shape == local.shape and out.stride() == local.stride()
+
+
 def _fast(func, args, kwargs, inplace: bool):
     spec = None
     first = None
@@ -187,14 +197,12 @@ def _fast(func, args, kwargs, inplace: bool):
             return NotImplemented
     if spec is None:
         return NotImplemented
-    if kwargs:
-        for k, v in kwargs.items():
-            if isinstance(v, torch.Tensor) or (k == "device" and v is not None):
-                return NotImplemented
+    if not _plain_kwargs(kwargs):
+        return NotImplemented
     out = func(*local_args, **(kwargs or {}))
     if inplace:
         return args[0]
-    if out.dtype != first.dtype or out.shape != first.shape or out.stride() != first.stride():
+    if not _same_layout(out, first):
         return NotImplemented  # e.g. zeros_like(p, dtype=...): the spec would not describe it
     return make_sharded(out, spec)
 
@@ -242,16 +250,13 @@ def _fast_foreach(func, args, kwargs, inplace: bool):
             local_args.append(a)
     if specs is None:
         return NotImplemented
-    if kwargs:
-        for k, v in kwargs.items():
-            if isinstance(v, torch.Tensor) or (k == "device" and v is not None):
-                return NotImplemented
+    if not _plain_kwargs(kwargs):
+        return NotImplemented
     out = func(*local_args, **(kwargs or {}))
     if inplace:
         return out
-    for o, first in zip(out, firsts):
-        if o.dtype != first.dtype or o.shape != first.shape or o.stride() != first.stride():
-            return NotImplemented
+    if not all(_same_layout(o, first) for o, first in zip(out, firsts)):
+        return NotImplemented
     return [make_sharded(o, spec) for o, spec in zip(out, specs)]
 
 
