@@ -182,10 +182,8 @@ def _fast(func, args, kwargs, inplace: bool):
             elif a._spec is not spec and a._spec != spec:  # e.g. optimizer states loaded from a checkpoint
                 return NotImplemented
             local_args.append(a._local_tensor)
-        elif isinstance(a, torch.Tensor):
-            if a.dim() != 0:
-                return NotImplemented
-            local_args.append(a)
+        elif isinstance(a, torch.Tensor) and a.dim() != 0:
+            return NotImplemented
         else:
             local_args.append(a)
     if scalars:
@@ -217,13 +215,12 @@ def _fast_foreach(func, args, kwargs, inplace: bool):
     for a in args:
         if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
             if specs is None:
-                if not all(isinstance(t, DTensor) for t in a):
-                    return NotImplemented
+                for t in a:  # ShardedDTensor specs are never Partial; a plain DTensor's may be
+                    if not isinstance(t, DTensor) or (type(t) is not ShardedDTensor and any(pl.is_partial() for pl in t._spec.placements)):
+                        return NotImplemented
                 specs = [t._spec for t in a]
-                if any(pl.is_partial() for spec in specs for pl in spec.placements):
-                    return NotImplemented  # a plain DTensor's pending sum beside a ShardedDTensor
                 firsts = [t._local_tensor for t in a]
-                local_args.append([t._local_tensor for t in a])
+                local_args.append(firsts)
                 continue
             if len(a) != len(specs):
                 return NotImplemented
@@ -242,10 +239,8 @@ def _fast_foreach(func, args, kwargs, inplace: bool):
             if specs is None or not _replicated_scalar(a) or not _same_mesh(a._spec.mesh, specs[0].mesh):
                 return NotImplemented
             local_args.append(a._local_tensor)
-        elif isinstance(a, torch.Tensor):
-            if a.dim() != 0:
-                return NotImplemented
-            local_args.append(a)
+        elif isinstance(a, torch.Tensor) and a.dim() != 0:
+            return NotImplemented
         else:
             local_args.append(a)
     if specs is None:
