@@ -65,7 +65,7 @@ def _device_busy(events: list[dict]) -> tuple[float, float, list[tuple[float, fl
         else:
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
-    return spans[-1][1] - spans[0][0] if spans else 0.0, busy, gaps
+    return cur_e - spans[0][0], busy, gaps  # the last merged interval ends last
 
 
 def analyze_trace(trace: dict, steps: int) -> dict:

@@ -269,5 +269,9 @@ def test_profile_step_gpu_smoke(tmp_path):
     ]}
     a = analyze_trace(trace, steps=1)
     assert (a["device_span_ms"], a["device_busy_ms"]) == (0.3, 0.19), a
+    # a kernel that starts first and ends last spans the whole trace
+    b = analyze_trace({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "long", "ts": 0, "dur": 500},
+                                       {"ph": "X", "cat": "kernel", "name": "short", "ts": 100, "dur": 10}]}, steps=1)
+    assert (b["device_span_ms"], b["device_busy_ms"], b["device_idle_ms"]) == (0.5, 0.5, 0.0), b
     assert a["idle_gaps_ms_by_annotation"] == {"Optimizer.step#AdamW.step": 0.1}, a
     assert a["host_ms_by_annotation"] == {"Optimizer.step#AdamW.step": 0.12, "FSDP::all_gather": 0.06}, a
