@@ -41,6 +41,19 @@ OPS = {
 }
 
 
+def _best_of_3(fn, warmup: int, calls: int) -> float:
+    """Seconds per call of `fn`: the fastest of 3 rounds of `calls` calls, each after `warmup`."""
+    best = float("inf")
+    for _ in range(3):
+        for _ in range(warmup):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=64)
@@ -66,14 +79,7 @@ def main() -> None:
         for name, op in OPS.items():
             cells = []
             for kind, operands in kinds.items():
-                best = float("inf")
-                for _ in range(3):
-                    for _ in range(50):
-                        op(*operands)
-                    t0 = time.perf_counter()
-                    for _ in range(args.iters):
-                        op(*operands)
-                    best = min(best, (time.perf_counter() - t0) / args.iters * 1e6)
+                best = _best_of_3(lambda: op(*operands), warmup=50, calls=args.iters) * 1e6
                 totals[kind] += best
                 cells.append(f"{best:.1f}")
             print(f"| `{name}` | {' | '.join(cells)} |")
@@ -99,14 +105,7 @@ def main() -> None:
     for name, make in whole.items():
         cells = []
         for kind in kinds:
-            fn = make(shards(kind))
-            best = float("inf")
-            for _ in range(3):
-                fn()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    fn()
-                best = min(best, (time.perf_counter() - t0) / steps * 1e3)
+            best = _best_of_3(make(shards(kind)), warmup=1, calls=steps) * 1e3
             cells.append(f"{best:.2f} ms")
         print(f"| {name}, {args.params} parameters | {' | '.join(cells)} |")
     dist.destroy_process_group()
