@@ -249,6 +249,10 @@ def run_ranks(fn, *args, world_size: int = 2, all_ranks: bool = False, timeout_s
                     raise RuntimeError(f"{name}: no result after {timeout_s:.0f} s") from None
         for p in procs:
             p.join()
+        for r, p in enumerate(procs):
+            if p.exitcode != 0:  # the results came, but the process failed on its way out
+                print(f"{name}: rank {r} exited with code {p.exitcode} after the results were in "
+                      "(a failure at exit; its stderr is above)", file=sys.stderr, flush=True)
     finally:
         for p in procs:
             if p.is_alive():

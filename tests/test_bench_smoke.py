@@ -114,6 +114,12 @@ def body(rank, world_size, port, fail):
     dist.destroy_process_group()
     return (rank, out)
 
+def exits_badly(rank, world_size, port):
+    import atexit
+    if rank == 1:
+        atexit.register(os._exit, 3)  # fails on its way out, after its work
+    return rank
+
 if __name__ == "__main__":
     assert H.run_ranks(body, False, world_size=2, all_ranks=True) == [(0, [1.0]), (1, [1.0])]
     try:
@@ -122,6 +128,7 @@ if __name__ == "__main__":
         assert "a rank failed" in str(e), e
     else:
         raise AssertionError("a failing rank did not raise")
+    assert H.run_ranks(exits_badly, world_size=2) == 0
     print("harness ok")
 '''
 
@@ -131,6 +138,9 @@ def test_harness_run_ranks(tmp_path):
     script.write_text(_HARNESS)
     proc = subprocess.run([sys.executable, str(script)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "harness ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # a rank that fails at exit, after the results are in, is reported, not passed over
+    assert "exits_badly: rank 1 exited with code 3 after the results were in" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0 exited" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_harness_load_impl_names():
