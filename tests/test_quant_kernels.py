@@ -264,6 +264,33 @@ def test_rowwise_finite_and_non_finite_rows_in_one_call(src):
 
 
 @pytest.mark.parametrize("src", FLOATS, ids=str)
+@pytest.mark.parametrize("row", [37, 64, 100, 320, 333, 1000])
+def test_rowwise_amax_of_each_row_wherever_it_sits(src, row):
+    """Each row's scale comes from its own amax, whose vector loops take whole vectors and then
+    the rest of the row. Each row's largest |x| sits in a different place (first element,
+    inside the vectors, the last whole 64, the part after it, the last element), and a row with
+    an inf sits between finite ones."""
+    gen = torch.Generator().manual_seed(row)
+    n_rows = 9
+    x = torch.rand(n_rows, row, generator=gen) - 0.5
+    whole = row // 64 * 64
+    places = [0, row // 2, max(whole - 1, 0), min(whole, row - 1), row - 1, row - 1, (row * 7) // 9, 1, row - 2]
+    for r, j in enumerate(places):
+        x[r, j] = (r + 2) * 1.5 * (-1) ** r
+    x[5, row // 3] = float("inf")
+    x = x.to(src)
+    padded = x.numel()
+    seg = Q.unit_layout([padded], [row], "fp8_rowwise").segments[0]
+    out = torch.empty(seg.nbytes, dtype=torch.uint8)
+    torch.ops.fsdp_native.quantize_copy_in([x.reshape(-1)], [padded], [row], "fp8_rowwise", 64, None, out)
+    assert torch.equal(out, R.quantize([x.reshape(-1)], [padded], [row], "fp8_rowwise", 64, None))
+    scales = out[seg.scale_offset : seg.scale_offset + 4 * n_rows].view(torch.float32)
+    for r in (0, 1, 2, 3, 4, 6, 7, 8):  # each finite row's scale comes from its own amax
+        amax = x[r].float().abs().max().item()
+        assert scales[r].item() == pytest.approx(amax / 448, rel=2**-20), (r, places[r])
+
+
+@pytest.mark.parametrize("src", FLOATS, ids=str)
 @pytest.mark.parametrize("block_size", [32, 64, 128, 256, 512])
 def test_nf4_runs_of_blocks_with_special_blocks(src, block_size):
     """NF4 takes whole blocks 16 at a time with AVX-512 and 8 at a time with AVX2 (their
