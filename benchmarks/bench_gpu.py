@@ -189,7 +189,9 @@ class Run:
             model.to_empty(device=env.device)
             init_weights(model, H.SEED)
         self.model = model
-        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=H.LR)
+        # foreach=True: what AdamW picks by default on CUDA for both implementations' parameters;
+        # on CPU (--smoke) it would take its per-tensor loop, so the smoke run names it.
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=H.LR, foreach=True)
         self.steps = 0
         self.bwd_start: list[int | None] = []  # memory_allocated at each block's backward, this step
         for i, block in enumerate(model.blocks):
