@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "../packing_index.h"
 
@@ -129,6 +131,96 @@ FSDPN_TILE T* assume_global(T* p) {
   return p;
 }
 
+// The bits of a vector of N elements of T, in 32-bit words (2 or 4 of them; a vector of fewer
+// than 4 bytes is not loaded whole).
+template <typename T, int N>
+struct alignas(sizeof(T) * N < kVecBytes ? sizeof(T) * N : kVecBytes) Words {
+  static_assert(sizeof(T) * N % 4 == 0, "a vector is whole 32-bit words");
+  uint32_t w[sizeof(T) * N / 4];
+};
+
+template <typename T, int N>
+FSDPN_TILE Vec<T, N> from_words(const Words<T, N>& words) {
+  Vec<T, N> v;
+  static_assert(sizeof(v) == sizeof(words), "a vector and its words have the same size");
+  memcpy(&v, &words, sizeof(v));
+  return v;
+}
+
+// The vectors of a tile: vector v (of n_vec) covers elements [lo + v V, lo + (v + 1) V).
+// kSrcVec: the source is read a vector at a time (aligned like the destination), into whole
+// words; else element by element.
+template <typename S, typename D, int M, bool kSrcVec>
+FSDPN_TILE void tile_vectors_body(const S* __restrict__ src, D* __restrict__ dst, int64_t lo, int64_t n_vec,
+                                  int64_t n_copy, int tid, float scale) {
+  constexpr int V = static_cast<int>(vec_elems(sizeof(D)));
+  constexpr bool kReadsDst = M == kAccumulate;
+  constexpr bool kWords = kSrcVec && sizeof(S) * V >= 4;
+  using In = typename std::conditional<kWords, Words<S, V>, Vec<S, V>>::type;
+  In in[kVecsPerThread];
+  Words<D, V> old[kReadsDst ? kVecsPerThread : 1];
+#pragma unroll
+  for (int j = 0; j < kVecsPerThread; ++j) {
+    const int64_t v = tid + static_cast<int64_t>(j) * kThreads;
+    const int64_t k = lo + v * V;
+    if (v < n_vec && k + V <= n_copy) {
+      if constexpr (kSrcVec) {
+        FSDPN_CHECK_ALIGNED(src + k, alignof(In));
+        in[j] = *reinterpret_cast<const In*>(src + k);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) in[j].v[e] = src[k + e];
+      }
+      if constexpr (kReadsDst) {
+        FSDPN_CHECK_ALIGNED(dst + k, alignof(Words<D, V>));
+        old[j] = *reinterpret_cast<const Words<D, V>*>(dst + k);
+      }
+    }
+  }
+  // Every load above is issued before the first store below (the compiler would otherwise
+  // move a load past a store, to reuse its registers).
+  asm volatile("" ::: "memory");
+#pragma unroll
+  for (int j = 0; j < kVecsPerThread; ++j) {
+    const int64_t v = tid + static_cast<int64_t>(j) * kThreads;
+    if (v < n_vec) {
+      const int64_t k = lo + v * V;
+      if constexpr (kWords && std::is_same<S, D>::value && M == kCopy) {
+        if (k + V <= n_copy) {  // a plain copy: the loaded words as they are
+          FSDPN_CHECK_ALIGNED(dst + k, alignof(Words<D, V>));
+          *reinterpret_cast<Words<D, V>*>(dst + k) = in[j];
+          continue;
+        }
+      }
+      Vec<D, V> out;
+      if (k + V <= n_copy) {
+        Vec<S, V> x;
+        if constexpr (kWords) {
+          x = from_words(in[j]);
+        } else {
+          x = in[j];
+        }
+        if constexpr (kReadsDst) {
+          const Vec<D, V> o = from_words(old[j]);
+#pragma unroll
+          for (int e = 0; e < V; ++e) out.v[e] = Elem<S, D, M>::apply(x.v[e], o.v[e], scale);
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) out.v[e] = Elem<S, D, M>::apply(x.v[e], D{}, scale);
+        }
+      } else {
+        // All padding, or the one vector of the segment where copying turns into padding.
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          out.v[e] = k + e < n_copy ? Elem<S, D, M>::apply(src[k + e], kReadsDst ? dst[k + e] : D{}, scale) : D{};
+        }
+      }
+      FSDPN_CHECK_ALIGNED(dst + k, alignof(Vec<D, V>));
+      *reinterpret_cast<Vec<D, V>*>(dst + k) = out;
+    }
+  }
+}
+
 // Thread `tid` (of kThreads) of the block doing tile `b` of a table of `n_segs` segments.
 template <typename S, typename D, int M, typename Table>
 FSDPN_TILE void do_tile(const Table& table, int64_t n_segs, int64_t b, int tid, float scale) {
@@ -157,54 +249,18 @@ FSDPN_TILE void do_tile(const Table& table, int64_t n_segs, int64_t b, int tid, 
     }
   }
 
-  // Vectors: all loads of this thread first, then the stores.
+  // Vectors: all loads of this thread first, then the stores. The source is read with vector
+  // loads when it lines up with the destination (`src_vec`, the same for the whole block), else
+  // element by element; the two are separate paths, so that the vector path keeps each load
+  // in whole 32-bit registers until its store. (Merged, the compiler split every 16-byte load
+  // of 16-bit elements into eight registers right after it, the scalar path's form, and each
+  // split waited for its load: one load in flight per thread instead of kVecsPerThread.)
   const int64_t n_vec = (vec.vec_hi - vec.vec_lo) / V;
   if (n_vec == 0) return;
-  const bool src_vec = src_vec_aligned(reinterpret_cast<uintptr_t>(src), sizeof(S), vec.vec_lo, V);
-  Vec<S, V> in[kVecsPerThread];
-  Vec<D, V> old[kReadsDst ? kVecsPerThread : 1];
-#pragma unroll
-  for (int j = 0; j < kVecsPerThread; ++j) {
-    const int64_t v = tid + static_cast<int64_t>(j) * kThreads;
-    const int64_t k = vec.vec_lo + v * V;
-    if (v < n_vec && k + V <= n_copy) {
-      if (src_vec) {
-        FSDPN_CHECK_ALIGNED(src + k, alignof(Vec<S, V>));
-        in[j] = *reinterpret_cast<const Vec<S, V>*>(src + k);
-      } else {
-#pragma unroll
-        for (int e = 0; e < V; ++e) in[j].v[e] = src[k + e];
-      }
-      if constexpr (kReadsDst) {
-        FSDPN_CHECK_ALIGNED(dst + k, alignof(Vec<D, V>));
-        old[j] = *reinterpret_cast<const Vec<D, V>*>(dst + k);
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kVecsPerThread; ++j) {
-    const int64_t v = tid + static_cast<int64_t>(j) * kThreads;
-    if (v < n_vec) {
-      const int64_t k = vec.vec_lo + v * V;
-      Vec<D, V> out;
-      if (k + V <= n_copy) {
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          out.v[e] = Elem<S, D, M>::apply(in[j].v[e], kReadsDst ? old[kReadsDst ? j : 0].v[e] : D{},
-                                          scale);
-        }
-      } else {
-        // All padding, or the one vector of the segment where copying turns into padding.
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          out.v[e] = k + e < n_copy
-                         ? Elem<S, D, M>::apply(src[k + e], kReadsDst ? dst[k + e] : D{}, scale)
-                         : D{};
-        }
-      }
-      FSDPN_CHECK_ALIGNED(dst + k, alignof(Vec<D, V>));
-      *reinterpret_cast<Vec<D, V>*>(dst + k) = out;
-    }
+  if (src_vec_aligned(reinterpret_cast<uintptr_t>(src), sizeof(S), vec.vec_lo, V)) {
+    tile_vectors_body<S, D, M, true>(src, dst, vec.vec_lo, n_vec, n_copy, tid, scale);
+  } else {
+    tile_vectors_body<S, D, M, false>(src, dst, vec.vec_lo, n_vec, n_copy, tid, scale);
   }
 }
 
