@@ -131,8 +131,7 @@ FSDPN_TILE T* assume_global(T* p) {
   return p;
 }
 
-// The bits of a vector of N elements of T, in 32-bit words (2 or 4 of them; a vector of fewer
-// than 4 bytes is not loaded whole).
+// The bits of a vector of N elements of T, in 32-bit words (2, 4 or 8 of them).
 template <typename T, int N>
 struct alignas(sizeof(T) * N < kVecBytes ? sizeof(T) * N : kVecBytes) Words {
   static_assert(sizeof(T) * N % 4 == 0, "a vector is whole 32-bit words");
@@ -155,8 +154,7 @@ FSDPN_TILE void tile_vectors_body(const S* __restrict__ src, D* __restrict__ dst
                                   int64_t n_copy, int tid, float scale) {
   constexpr int V = static_cast<int>(vec_elems(sizeof(D)));
   constexpr bool kReadsDst = M == kAccumulate;
-  constexpr bool kWords = kSrcVec && sizeof(S) * V >= 4;
-  using In = typename std::conditional<kWords, Words<S, V>, Vec<S, V>>::type;
+  using In = typename std::conditional<kSrcVec, Words<S, V>, Vec<S, V>>::type;
   In in[kVecsPerThread];
   Words<D, V> old[kReadsDst ? kVecsPerThread : 1];
 #pragma unroll
@@ -185,7 +183,7 @@ FSDPN_TILE void tile_vectors_body(const S* __restrict__ src, D* __restrict__ dst
     const int64_t v = tid + static_cast<int64_t>(j) * kThreads;
     if (v < n_vec) {
       const int64_t k = lo + v * V;
-      if constexpr (kWords && std::is_same<S, D>::value && M == kCopy) {
+      if constexpr (kSrcVec && std::is_same<S, D>::value && M == kCopy) {
         if (k + V <= n_copy) {  // a plain copy: the loaded words as they are
           FSDPN_CHECK_ALIGNED(dst + k, alignof(Words<D, V>));
           *reinterpret_cast<Words<D, V>*>(dst + k) = in[j];
@@ -195,7 +193,7 @@ FSDPN_TILE void tile_vectors_body(const S* __restrict__ src, D* __restrict__ dst
       Vec<D, V> out;
       if (k + V <= n_copy) {
         Vec<S, V> x;
-        if constexpr (kWords) {
+        if constexpr (kSrcVec) {
           x = from_words(in[j]);
         } else {
           x = in[j];
