@@ -42,13 +42,25 @@ from fsdp_native._quant_ref import NF4_MIDPOINTS, NF4_VALUES
 BLOCK = 4096
 TASK = 4096
 # Tiles per program of the amax pass (fewer atomics on one amax).
-AMAX_TILES = 2
+AMAX_TILES = 8
 # fp8_rowwise rows up to this many elements are quantized by programs that hold whole rows in
 # registers (ROW_ELEMS elements a program where rows are shorter): their amaxes, then their
 # codes, one read of the rows. Longer rows take an amax pass over the unit and then the codes,
 # two launches.
 ROW_FUSE_MAX = 16384
 ROW_ELEMS = 4096
+# Launch shapes (``benchmarks/tune_quant_gpu.py`` times the alternatives on a GPU; none
+# changes a result): warps per program of the amax pass, the fp8 codes and the NF4 quantize;
+# the whole-row fp8_rowwise programs take a warp per ROW_WARP_ELEMS elements (up to 16). The
+# dequantize of each format takes tiles of up to DEQ_SHAPES[format][0] elements (fp8_rowwise:
+# within rows) in up to DEQ_SHAPES[format][1] warps, at least 8 elements a thread. Picked on an
+# H200 (BENCHMARKS.md, "Launch shapes"): the programs' fixed work weighs against both more
+# warps and smaller tiles.
+AMAX_WARPS = 4
+FP8_WARPS = 4
+NF4_WARPS = 2
+ROW_WARP_ELEMS = 512
+DEQ_SHAPES = {"fp8_tensorwise": (2048, 4), "fp8_rowwise": (2048, 1), "nf4": (4096, 4)}
 
 # Whether kernels on GPUs of compute capability 8.9 and up round fp32 to e4m3 and bf16, and
 # decode e4m3, with the GPU's conversion instructions (the same bits as the integer math, which
@@ -566,10 +578,10 @@ def _log2(n: int) -> int:
     return max(1, (max(n, 1) - 1).bit_length() + 1)
 
 
-def _warps(block: int) -> int:
-    """Warps for a tile of `block` elements: at least 8 elements per thread (16-byte accesses
-    of 16-bit values), at most 4 warps."""
-    return max(1, min(4, block // 256))
+def _warps(block: int, most: int) -> int:
+    """Warps for a dequantize tile of `block` elements: at least 8 elements per thread (16-byte
+    accesses of 16-bit values), at most ``most``."""
+    return max(1, min(most, block // 256))
 
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -703,7 +715,10 @@ def _fp8_launches(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx
         hint = _aligned(out_ptr, *(shards[i].data_ptr() for i in idx)) and (
             not rowwise or all(row_numels[i] % v == 0 for i in idx)
         )
-        extra = {"TILES": tiles} if tiles else {"CVT": _cvt(device), "SA": _aligned(out_ptr, to=4), "REVERSE": reverse}
+        if tiles:
+            extra = {"TILES": tiles, "num_warps": AMAX_WARPS}
+        else:
+            extra = {"CVT": _cvt(device), "SA": _aligned(out_ptr, to=4), "REVERSE": reverse, "num_warps": FP8_WARPS}
         if n:
             launches.append(_Launch(kernel, n, meta, starts, args + (len(idx),), dict(
                 SRC=_KIND[dtype], ROWWISE=rowwise, LOG2=_log2(len(idx)), BLOCK=BLOCK, V=v, HINT=hint, **extra, **_OPTS,
@@ -711,12 +726,12 @@ def _fp8_launches(kernel, shards, padded_numels, row_numels, segs, rowwise, aidx
     return launches
 
 
-def _row_block(rows: list[int]) -> int:
-    """Tile size for tiles within rows: the largest power of two up to BLOCK that divides
-    every row if that is at least 128 (whole tiles), else one power of two covering the
-    longest row, up to BLOCK."""
-    even = min(BLOCK, min(r & -r for r in rows))
-    return even if even >= 128 else min(BLOCK, max(16, 1 << (max(rows) - 1).bit_length()))
+def _row_block(rows: list[int], most: int) -> int:
+    """Dequantize tile size for tiles within rows: the largest power of two up to ``most`` that
+    divides every row if that is at least 128 (whole tiles), else one power of two covering the
+    longest row, up to ``most``."""
+    even = min(most, min(r & -r for r in rows))
+    return even if even >= 128 else min(most, max(16, 1 << (max(rows) - 1).bit_length()))
 
 
 def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_Launch]:
@@ -742,7 +757,7 @@ def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_La
             launches.append(_Launch(_fp8_rows_kernel, n, meta, starts, ("out", len(sub)), dict(
                 SRC=_KIND[dtype], LOG2=_log2(len(sub)), R=per, TPR=rb // tb, TB=tb, V=v, HINT=hint,
                 EXACT=all(row_numels[i] == rb for i in sub), CVT=_cvt(out.device), SA=_aligned(out.data_ptr(), to=4),
-                num_warps=max(1, min(16, per * rb // 512)), **_OPTS,
+                num_warps=max(1, min(16, per * rb // ROW_WARP_ELEMS)), **_OPTS,
             )))  # fmt: skip
     return launches
 
@@ -803,7 +818,7 @@ def _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax_g
                 launches.append(_Launch(_nf4_quantize_kernel, n, meta, starts, ("out", _nf4_table(out.device, NF4_MIDPOINTS), len(idx)), dict(
                     SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, V=v, HINT=hint,
                     SA=_aligned(out.data_ptr(), to=4), ASM=out.device.type == "cuda" and torch.version.hip is None,
-                    num_warps=8, **_OPTS,  # 16 elements a thread (with 4 warps, 3x the registers)
+                    num_warps=NF4_WARPS, **_OPTS,
                 )))  # fmt: skip
         return 0, launches
     rowwise = format == Q.FP8_ROWWISE
@@ -849,6 +864,7 @@ def dequantize_copy_out_eager(
 def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format, block_size, outs, layout) -> list[_Launch]:
     rank_stride = gathered.stride(0) if gathered.dim() == 2 else layout.rank_nbytes
     fmt = Q.FORMATS.index(format)
+    most, warps = DEQ_SHAPES[format]
     launches = []
     for dtype, idx in _groups(outs).items():
         live = [i for i in idx if outs[i].numel()]
@@ -859,10 +875,10 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
             # parameter's short rows do not shrink (or stretch) another's tiles
             blocks: dict[int, list[int]] = {}
             for i in live:
-                blocks.setdefault(_row_block([row_numels[i]]), []).append(i)
+                blocks.setdefault(_row_block([row_numels[i]], most), []).append(i)
             parts = sorted(blocks.items())
         else:
-            parts = [(max(BLOCK, block_size) if format == Q.NF4 else BLOCK, live)]
+            parts = [(max(most, block_size) if format == Q.NF4 else most, live)]
         for block, sub in parts:
             if format == Q.FP8_ROWWISE:
                 tiles = [(padded_numels[i] // row_numels[i]) * -(-row_numels[i] // block) for i in sub]
@@ -881,7 +897,7 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
             )
             launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, _nf4_table(gathered.device), len(sub)), dict(
                 FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(sub)), BS=block_size, BLOCK=block, V=v, HINT=hint,
-                CVT=_cvt(gathered.device), SA=_aligned(gathered.data_ptr(), rank_stride, to=4), num_warps=_warps(block), **_OPTS,
+                CVT=_cvt(gathered.device), SA=_aligned(gathered.data_ptr(), rank_stride, to=4), num_warps=_warps(block, warps), **_OPTS,
             )))  # fmt: skip
     return launches
 

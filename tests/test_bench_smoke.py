@@ -4,7 +4,8 @@
   the fake process group (world size 8), and the packing ops run against their floor;
 * bench_gpu's CUDA-only branches (memory statistics, CUDA-event timing, the report) with the
   torch.cuda calls they make replaced by stand-ins, so a mistake there shows before a GPU run;
-* benchmarks/harness.py's launcher: results of rank 0 and of every rank, and a failing rank.
+* benchmarks/harness.py's launcher: results of rank 0 and of every rank, and a failing rank;
+* the GPU tools (profile_quant_gpu.py, tune_quant_gpu.py) with Triton interpreted.
 """
 import json
 import os
@@ -285,3 +286,25 @@ def test_profile_step_gpu_smoke(tmp_path):
     assert (b["device_span_ms"], b["device_busy_ms"], b["device_idle_ms"]) == (0.5, 0.5, 0.0), b
     assert a["idle_gaps_ms_by_annotation"] == {"Optimizer.step#AdamW.step": 0.1}, a
     assert a["host_ms_by_annotation"] == {"Optimizer.step#AdamW.step": 0.12, "FSDP::all_gather": 0.06}, a
+
+
+def test_tune_quant_gpu_smoke(tmp_path):
+    """benchmarks/tune_quant_gpu.py on CPU (Triton interpreted, the smoke layer): each group
+    times its ops under the default launch shapes and one other setting, finds the same bits
+    under both."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = tmp_path / "tune.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_quant_gpu.py"), "--smoke", "--groups", "dequantize",
+                        "amax", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    from benchmarks.tune_quant_gpu import groups
+
+    assert list(res["groups"]) == ["dequantize", "amax"]
+    for name, rows in res["groups"].items():
+        ops, settings = groups(True)[name]
+        assert [row["setting"] for row in rows] == ["default", json.loads(json.dumps(settings[0]))], rows
+        for row in rows:
+            assert row["same_bits"] is True, row
+            assert sorted(row["ops"]) == sorted(ops) and all(v["us"] > 0 and v["floor_us"] > 0 for v in row["ops"].values()), row
+    assert "| dequantize | dequantize fp8_rowwise |" in r.stdout, r.stdout

@@ -1,0 +1,215 @@
+"""Launch shapes of the Triton quantized all-gather kernels (``fsdp_native/kernels/quant.py``),
+timed on a GPU: tile sizes and warps per program, the module constants that pick them, each
+alternative against the bandwidth floor, on bench_gpu.py's Llama-3-8B layer (rank 3's bf16
+shards over 8 ranks).
+
+For every setting it checks that the bytes and values are those of the default setting (a
+launch shape must not change a result), then times the ops it affects (device time: CUDA
+events, a sleep kernel queued first, median) and reports each as % of the floor, one flat
+uint8 copy of as many bytes (as bench_gpu.py does). The groups run in order until
+``--budget-s`` is spent; each group's best setting is listed at the end.
+
+    python3 benchmarks/tune_quant_gpu.py --json tune.json             # on a GPU
+    TRITON_INTERPRET=1 python3 benchmarks/tune_quant_gpu.py --smoke   # CPU, tiny shapes, one setting a group
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import harness as H  # noqa: E402
+from benchmarks.bench_gpu import LLAMA, LLAMA_SMOKE, RANK, WORLD_SIZE, _numel, _rows, ops_padded  # noqa: E402
+
+
+def _settings(**axes) -> list[dict]:
+    """Every combination of the axes' values."""
+    out = [{}]
+    for k, vals in axes.items():
+        out = [dict(s, **{k: v}) for s in out for v in vals]
+    return out
+
+
+# group: (ops it times, settings).
+def groups(smoke: bool) -> dict[str, tuple[list[str], list[dict]]]:
+    g = {
+        "dequantize": (["dequantize fp8_tensorwise", "dequantize fp8_rowwise", "dequantize nf4"], [
+            {"DEQ_SHAPES": {f: (b, w) for f in ("fp8_tensorwise", "fp8_rowwise", "nf4")}}
+            for b in (1024, 2048, 4096, 8192, 16384) for w in (1, 2, 4, 8, 16) if 8 <= b // (32 * w) <= 128
+        ]),
+        "nf4 quantize": (["quantize nf4"], [
+            s for s in _settings(TASK=[1024, 2048, 4096, 8192], NF4_WARPS=[1, 2, 4, 8, 16])
+            if 4 <= s["TASK"] // (32 * s["NF4_WARPS"]) <= 128
+        ]),
+        "fp8 codes": (["quantize fp8_tensorwise, amax given", "quantize fp8_tensorwise"], [
+            s for s in _settings(BLOCK=[1024, 2048, 4096, 8192], FP8_WARPS=[2, 4, 8, 16])
+            if 4 <= s["BLOCK"] // (32 * s["FP8_WARPS"]) <= 64
+        ]),
+        "amax": (["quantize_amax", "quantize fp8_tensorwise"], _settings(AMAX_TILES=[1, 2, 4, 8], AMAX_WARPS=[2, 4, 8, 16])),
+        "fp8_rowwise rows": (["quantize fp8_rowwise"], _settings(ROW_ELEMS=[4096, 8192, 16384], ROW_WARP_ELEMS=[256, 512, 1024])),
+    }
+    if smoke:
+        g = {k: (ops, sets[:1]) for k, (ops, sets) in g.items()}
+    return g
+
+
+class Work:
+    """The layer's shards, their quantized chunk and gathered chunks, and the ops on them."""
+
+    def __init__(self, shapes, device, K):
+        self.K = K
+        self.shapes = shapes
+        self.padded = [ops_padded(s) for s in shapes]
+        self.rows = [_numel(s[1:]) for s in shapes]
+        g = torch.Generator().manual_seed(0)
+        self.shards = [
+            (torch.randn(_numel(_rows(s, RANK, WORLD_SIZE)), generator=g) * 0.02).to(torch.bfloat16).to(device) for s in shapes
+        ]
+        if self.shards[0].numel() > 5:  # special values where the checks see them
+            self.shards[0][:3] = torch.tensor([float("nan"), float("inf"), 0.0], dtype=torch.bfloat16)
+        self.device = device
+        from fsdp_native import quant as Q
+
+        self.Q = Q
+        self.src_bytes = sum(2 * t.numel() for t in self.shards)
+        self.chunk = {f: torch.empty(Q.unit_layout(self.padded, self.rows, f).rank_nbytes, dtype=torch.uint8, device=device)
+                      for f in Q.FORMATS}  # fmt: skip
+        self.amax = torch.empty(len(shapes), device=device)
+        self.outs = [torch.empty(_numel(s), dtype=torch.bfloat16, device=device) for s in shapes]
+        for f in Q.FORMATS:
+            self.quantize(f)
+        self.gathered = {f: self.chunk[f].repeat(WORLD_SIZE) for f in Q.FORMATS}
+
+    def quantize(self, fmt, amax=None):
+        self.K.quantize_copy_in_eager(self.shards, self.padded, self.rows, fmt, self.Q.DEFAULT_BLOCK_SIZE, amax, self.chunk[fmt])
+
+    def dequantize(self, fmt):
+        self.K.dequantize_copy_out_eager(self.gathered[fmt], self.padded, self.rows, WORLD_SIZE, fmt, self.Q.DEFAULT_BLOCK_SIZE, self.outs)
+
+    def op(self, name):
+        """(the call, the bytes it reads plus writes)."""
+        Q = self.Q
+        if name == "quantize_amax":
+            return (lambda: self.K.quantize_amax_eager(self.shards, self.amax)), self.src_bytes
+        if name == "quantize fp8_tensorwise, amax given":
+            self.K.quantize_amax_eager(self.shards, self.amax)
+            return (lambda: self.quantize(Q.FP8_TENSORWISE, self.amax)), self.src_bytes + self.chunk[Q.FP8_TENSORWISE].numel()
+        kind, fmt = name.split(" ", 1)
+        if kind == "quantize":
+            return (lambda: self.quantize(fmt)), self.src_bytes + self.chunk[fmt].numel()
+        return (lambda: self.dequantize(fmt)), self.gathered[fmt].numel() + sum(2 * o.numel() for o in self.outs)
+
+    def results(self) -> list[torch.Tensor]:
+        """Every op's output, from the shards as they are."""
+        out = []
+        for f in self.Q.FORMATS:
+            self.quantize(f)
+            out.append(self.chunk[f].clone())
+            self.gathered[f].copy_(self.chunk[f].repeat(WORLD_SIZE))
+            self.dequantize(f)
+            out += [o.clone() for o in self.outs]
+        self.K.quantize_amax_eager(self.shards, self.amax)
+        out.append(self.amax.clone())
+        self.quantize(self.Q.FP8_TENSORWISE, self.amax)
+        out.append(self.chunk[self.Q.FP8_TENSORWISE].clone())
+        return out
+
+
+def _time(fn, cuda: bool, iters: int, reps: int) -> float:
+    if cuda:
+        return statistics.median(H.time_cuda(fn, iters, warmup=2, reps=reps, queue_ahead=True))
+    return statistics.median(H.time_cpu(fn, iters, warmup=1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one setting a group (CPU: TRITON_INTERPRET=1)")
+    ap.add_argument("--groups", nargs="*", help="the groups to run (default: all)")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="start no setting after this many seconds")
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+
+    from fsdp_native import quant as Q
+
+    Q._import_triton_kernels()
+    from fsdp_native.kernels import quant as K
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    shapes = (LLAMA_SMOKE if args.smoke else LLAMA).layer_shapes()
+    iters, reps = (2, 1) if args.smoke else (args.iters, args.reps)
+    w = Work(shapes, device, K)
+    names = ["DEQ_SHAPES", "TASK", "NF4_WARPS", "BLOCK", "FP8_WARPS", "AMAX_TILES", "AMAX_WARPS", "ROW_ELEMS", "ROW_WARP_ELEMS"]
+    default = {n: getattr(K, n) for n in names}
+    reference = w.results()
+    floors: dict[int, float] = {}
+
+    def floor_of(nbytes: int) -> float:
+        if nbytes not in floors:
+            src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+            floors[nbytes] = _time(lambda: dst.copy_(src), cuda, iters, reps)
+        return floors[nbytes]
+
+    t0 = time.perf_counter()
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "default": default, "groups": {}}
+    todo = groups(args.smoke)
+    for gname in args.groups or list(todo):
+        ops, sets = todo[gname]
+        rows = result["groups"][gname] = []
+        for s in [{}] + sets:  # the default first
+            if time.perf_counter() - t0 > args.budget_s:
+                print(f"[tune] budget spent: {gname} {s} and after not run", flush=True)
+                break
+            for n, v in s.items():
+                setattr(K, n, v)
+            K._PLANS.clear()
+            try:
+                same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(w.results(), reference))
+                row = {"setting": s or "default", "same_bits": same, "ops": {}}
+                for name in ops:
+                    fn, nbytes = w.op(name)
+                    us, fl = _time(fn, cuda, iters, reps) * 1e6, floor_of(nbytes) * 1e6
+                    row["ops"][name] = {"us": us, "floor_us": fl, "of_floor": fl / us}
+            except Exception as e:  # a setting the compiler rejects (registers, shared memory)
+                row = {"setting": s or "default", "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            finally:
+                for n in s:
+                    setattr(K, n, default[n])
+            rows.append(row)
+            cells = row.get("error") or "  ".join(f"{k}: {v['us']:.1f} us {100 * v['of_floor']:.0f} %" for k, v in row["ops"].items())
+            print(f"[tune] {gname} {row['setting']} same_bits={row.get('same_bits')}  {cells}", flush=True)
+    K._PLANS.clear()
+
+    print("\n| group | op | default: % of floor | best setting | best: % of floor | same bits |\n|---|---|---|---|---|---|")
+    for gname, rows in result["groups"].items():
+        ok = [r for r in rows if "ops" in r]
+        if not ok:
+            continue
+        for name in todo[gname][0]:
+            best = max(ok, key=lambda r: r["ops"][name]["of_floor"])
+            print(f"| {gname} | {name} | {100 * ok[0]['ops'][name]['of_floor']:.0f} % ({ok[0]['ops'][name]['us']:.1f} us) | "
+                  f"{best['setting']} | {100 * best['ops'][name]['of_floor']:.0f} % ({best['ops'][name]['us']:.1f} us) | "
+                  f"{all(r['same_bits'] for r in ok)} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    bad = [r["setting"] for rows in result["groups"].values() for r in rows if r.get("same_bits") is False]
+    if bad:
+        print(f"[tune] settings that changed a result: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
