@@ -55,12 +55,13 @@ ROW_ELEMS = 4096
 # dequantize of each format takes tiles of up to DEQ_SHAPES[format][0] elements (fp8_rowwise:
 # within rows) in up to DEQ_SHAPES[format][1] warps, at least 8 elements a thread. Picked on an
 # H200 (BENCHMARKS.md, "Launch shapes"): the programs' fixed work weighs against both more
-# warps and smaller tiles.
+# warps and smaller tiles. fp8_tensorwise's (2048, 1) compiles to fp8_rowwise's SASS, which
+# ran at 88 % of the floor there (see _dequantize_kernel); not yet timed itself.
 AMAX_WARPS = 4
 FP8_WARPS = 4
 NF4_WARPS = 2
 ROW_WARP_ELEMS = 512
-DEQ_SHAPES = {"fp8_tensorwise": (2048, 4), "fp8_rowwise": (2048, 1), "nf4": (4096, 4)}
+DEQ_SHAPES = {"fp8_tensorwise": (2048, 1), "fp8_rowwise": (2048, 1), "nf4": (4096, 4)}
 
 # Whether kernels on GPUs of compute capability 8.9 and up round fp32 to e4m3 and bf16, and
 # decode e4m3, with the GPU's conversion instructions (the same bits as the integer math, which
@@ -551,7 +552,11 @@ def _dequantize_kernel(
     r = t // per_rank
     u = t - r * per_rank
     r = r.to(tl.int64)
-    rr, lo, hi = _tile_in(u, meta, p, FMT == 1, BLOCK)  # rr: the row, for fp8_rowwise
+    # rr: the row, for fp8_rowwise. fp8_tensorwise takes the same path with one row per rank
+    # (its table's row column holds the padded shard): the same tiles, and the same SASS as
+    # fp8_rowwise's, where its own path (lo = t * BLOCK) led the compiler to hold a 1-warp
+    # tile in 254 registers, against 86 (sm_90, benchmarks/triton_sass.py).
+    rr, lo, hi = _tile_in(u, meta, p, FMT != 2, BLOCK)
     hi = tl.minimum(hi, tl.maximum(numel - r * padded, 0))  # this rank's real elements
     chunk = gathered + r * rank_stride
     codes = chunk + _load_meta(meta, p, 4)
@@ -885,7 +890,8 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
             else:
                 tiles = [-(-padded_numels[i] // block) for i in sub]
             rows = [
-                _meta_row(outs[i].data_ptr(), outs[i].numel(), padded_numels[i], row_numels[i], layout.segments[i], 0, t)
+                _meta_row(outs[i].data_ptr(), outs[i].numel(), padded_numels[i],
+                          max(padded_numels[i], 1) if format == Q.FP8_TENSORWISE else row_numels[i], layout.segments[i], 0, t)
                 for i, t in zip(sub, tiles)
             ]
             meta, starts, n = _launch_tables(rows, [world_size * t for t in tiles], gathered.device)
