@@ -518,7 +518,11 @@ def _fp8_values(codes, dst, lo, hi, scale, OUT: tl.constexpr, FULL: tl.constexpr
 def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BS: tl.constexpr,
                 NB: tl.constexpr, V: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr):  # fmt: skip
     """Elements [lo, hi) (lo a block's first) of one rank's NF4 codes (their scales: the table
-    at ``scales``) into ``dst``."""
+    at ``scales``) into ``dst``. Each block's 16 possible outputs are made once (the value
+    times the scale, rounded), and each element gathers its own from them (a warp shuffle on
+    a GPU): 14.2 instructions an element on sm_90 where a table load, multiply and rounding
+    per element took 19.6 (benchmarks/triton_sass.py; the kernel is bound by instruction
+    issue). The same bits: each output is the same product and rounding."""
     k = tl.arange(0, NB)
     b = k[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # bytes of the tile
     e = k[:, None] * BS + tl.arange(0, BS)[None, :]  # elements of the tile
@@ -528,11 +532,12 @@ def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.c
     else:
         s = _load_scales(scales, lo // BS + tl.where(lo + k * BS < hi, k, 0), SA)  # (past hi: the first's)
         c = tl.load(codes + (lo // 2 + b), mask=lo + 2 * b < hi, other=0).to(tl.int32)
-    v = tl.interleave(tl.load(table + (c >> 4)) * s[:, None], tl.load(table + (c & 15)) * s[:, None])
+    t = _out_bits(tl.load(table + tl.arange(0, 16))[None, :] * s[:, None], OUT, CVT)  # [NB, 16]
+    bits = tl.interleave(tl.gather(t, c >> 4, 1), tl.gather(t, c & 15, 1))
     if FULL:
-        tl.store(_out_ptrs(dst + lo * (16 // V), e, OUT, HINT, V), _out_bits(v, OUT, CVT))
+        tl.store(_out_ptrs(dst + lo * (16 // V), e, OUT, HINT, V), bits)
     else:
-        tl.store(_out_ptrs(dst, lo + e, OUT), _out_bits(v, OUT, CVT), mask=lo + e < hi)
+        tl.store(_out_ptrs(dst, lo + e, OUT), bits, mask=lo + e < hi)
 
 
 @triton.jit
