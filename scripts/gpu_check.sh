@@ -16,6 +16,9 @@
 #   ncu    : (only when named) benchmarks/profile_quant_gpu.py under Nsight Compute: each quant
 #            kernel once (speed of light, occupancy, launch, warp stall reasons) -> ncu.csv;
 #            the stage log maps its rows onto the ops
+#   tune   : (only when named) benchmarks/tune_quant_gpu.py: the Triton kernels' launch shapes
+#            (tile sizes, warps a program), each checked against the default's bits, then
+#            timed against the floor -> tune.json
 #   quantcpu: tests/test_quant_kernels.py on this machine's CPU (its best kernel level; the
 #            Triton tests left out)
 #   memcheck: compute-sanitizer --tool memcheck over the kernel tests
@@ -35,7 +38,8 @@
 #
 # Environment: PY (default python3), OUT, TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS
 # (default: the core count), GPU_CHECK_BENCH_ARGS (extra bench_gpu.py arguments),
-# GPU_CHECK_TESTS (the test files of the tests stage), GPU_CHECK_DEADLINE_S (stop starting
+# GPU_CHECK_TESTS (the test files of the tests stage), GPU_CHECK_TUNE_BUDGET_S (the tune
+# stage's: start no setting after this many seconds, default 200), GPU_CHECK_DEADLINE_S (stop starting
 # stages, and cut each stage's limit, so that the whole run ends within this many seconds),
 # GPU_CHECK_BUNDLE=1 (at the end, pack every file of $OUT but summary.txt into
 # $OUT/gpu_check.tgz: a device tool that returns few files then returns them all). Wheels in
@@ -134,6 +138,9 @@ if want ncu; then  # not in the default stages: the quant kernels under Nsight C
   else
     echo "=== gpu_check: ncu: skipped, no ncu (PATH, \$CUDA_HOME/bin)" | tee -a "$summary"
   fi
+fi
+if want tune; then  # not in the default stages: the Triton kernels' launch shapes
+  stage tune 300 "$PY" benchmarks/tune_quant_gpu.py --budget-s "${GPU_CHECK_TUNE_BUDGET_S:-200}" --json "$OUT/tune.json"
 fi
 if want quantcpu; then
   stage quantcpu 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_quant_kernels.py -k "not triton and not cuda"
