@@ -1,4 +1,4 @@
-"""Launch shapes of the Triton quantized all-gather kernels (``fsdp_native/kernels/quant.py``),
+"""Launch shapes of the Triton quantized all-gather kernels (``kernels/quant.py``),
 timed on a GPU: tile sizes and warps per program, the module constants that pick them, each
 alternative against the bandwidth floor, on bench_gpu.py's Llama-3-8B layer (rank 3's bf16
 shards over 8 ranks).
