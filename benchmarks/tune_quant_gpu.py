@@ -55,7 +55,7 @@ def groups(smoke: bool) -> dict[str, tuple[list[str], list[dict]]]:
             if 4 <= s["BLOCK"] // (32 * s["FP8_WARPS"]) <= 64
         ]),
         "amax": (["quantize_amax", "quantize fp8_tensorwise"], _settings(AMAX_TILES=[1, 2, 4, 8], AMAX_WARPS=[2, 4, 8, 16])),
-        "fp8_rowwise rows": (["quantize fp8_rowwise"], _settings(ROW_ELEMS=[4096, 8192, 16384], ROW_WARP_ELEMS=[256, 512, 1024])),
+        "fp8_rowwise rows": (["quantize fp8_rowwise"], _settings(ROW_STEPS=[1, 2, 4], ROW_ELEMS=[4096, 8192], ROW_WARP_ELEMS=[256, 512])),
     }
     if smoke:
         g = {k: (ops, sets[:1]) for k, (ops, sets) in g.items()}
@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     shapes = (LLAMA_SMOKE if args.smoke else LLAMA).layer_shapes()
     iters, reps = (1, 1) if args.smoke else (args.iters, args.reps)
     w = Work(shapes, device, K)
-    names = ["DEQ_SHAPES", "TASK", "NF4_WARPS", "BLOCK", "FP8_WARPS", "AMAX_TILES", "AMAX_WARPS", "ROW_ELEMS", "ROW_WARP_ELEMS"]
+    names = ["DEQ_SHAPES", "TASK", "NF4_WARPS", "BLOCK", "FP8_WARPS", "AMAX_TILES", "AMAX_WARPS", "ROW_ELEMS", "ROW_WARP_ELEMS",
+             "ROW_STEPS"]  # fmt: skip
     default = {n: getattr(K, n) for n in names}
     reference = w.results()
     floors: dict[int, float] = {}
