@@ -450,7 +450,7 @@ def _fp8_rows_kernel(
     e = i * row + k * TB + tl.arange(0, TB)[None, None, :]  # elements of a group's rows, from its first
     tiles = k < row // TB  # the row's tiles (a mask constant along each tile)
     codes = out + _load_meta(meta, p, 4)
-    if STEPS == 1:  # (the timed kernel as it was)
+    if STEPS == 1:  # the kernel as timed, its SASS unchanged; one of the two paths goes once STEPS > 1 is timed
         lo = t * R * row  # the program's first element
         if lo + R * row <= numel:  # R rows of data
             ptrs = _src_ptrs(src + lo * (16 // V), e, SRC, HINT, V)
