@@ -150,9 +150,8 @@ def main(argv=None) -> int:
     shapes = (LLAMA_SMOKE if args.smoke else LLAMA).layer_shapes()
     iters, reps = (1, 1) if args.smoke else (args.iters, args.reps)
     w = Work(shapes, device, K)
-    names = ["DEQ_SHAPES", "TASK", "NF4_WARPS", "BLOCK", "FP8_WARPS", "AMAX_TILES", "AMAX_WARPS", "ROW_ELEMS", "ROW_WARP_ELEMS",
-             "ROW_STEPS"]  # fmt: skip
-    default = {n: getattr(K, n) for n in names}
+    todo = groups(args.smoke)
+    default = {n: getattr(K, n) for n in sorted({n for _, sets in groups(False).values() for st in sets for n in st})}
     reference = w.results()
     floors: dict[int, float] = {}
 
@@ -165,7 +164,6 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "default": default, "groups": {}}
-    todo = groups(args.smoke)
     for gname in args.groups or list(todo):
         ops, sets = todo[gname]
         rows = result["groups"][gname] = []
