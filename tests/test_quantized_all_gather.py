@@ -8,6 +8,11 @@
   most 0.30x the bf16 bytes of the quantized parameters, scales included.
 * Training with an fp8 all-gather follows the bf16 all-gather's losses within a stated
   tolerance; NF4 on frozen weights with trainable adapters too.
+* Training with it is torch FSDP2's training on the reference's quantized weights (a hook
+  puts them in place after torch's bf16 all-gather), losses and parameters bit for bit,
+  every format, at world size 2 (with the backward's all-gather quantized again or not) and
+  HSDP 2x2: the gradients of the dequantized parameters reach the full-precision shards as
+  torch's do.
 * A unit of several dtypes with no param_dtype (bf16 weight and bias, fp32 norm and adapters,
   odd sizes) gathers the quantized parameters (each dequantized into its own dtype) and the
   others as bytes, bit for bit as the reference, and trains.
@@ -189,6 +194,107 @@ def _training_grid():
 
 def test_quantized_training_follows_bf16():
     run_distributed(_training_grid, 2)
+
+
+def _reference_unsharded(w: torch.Tensor, fmt: str, ws: int) -> torch.Tensor:
+    """What a quantized all-gather of the full-precision ``w`` (sharded on dim 0 over ``ws``
+    ranks) gives the forward in bf16, by the plain-PyTorch reference: every rank's padded
+    shard quantized, the gathered chunks dequantized."""
+    from fsdp_native import _quant_ref, ops
+
+    padded = ops.padded_shard_numel(w.shape, ws)
+    row = math.prod(w.shape[1:])
+    flat = torch.cat([w.reshape(-1), w.new_zeros(padded * ws - w.numel())])
+    chunks = [_quant_ref.quantize([flat[r * padded : (r + 1) * padded]], [padded], [row], fmt) for r in range(ws)]
+    return _quant_ref.dequantize(torch.cat(chunks), [padded], [row], ws, fmt, [w.numel()], [torch.bfloat16])[0].view(w.shape)
+
+
+def _train_against_torch(fmt: str, on_torch: bool, steps: int, hsdp: bool, reshard: bool) -> tuple[list[float], dict]:
+    """fsdp_native with the quantized all-gather of format ``fmt`` (``reshard``: the blocks'
+    unsharded parameters freed after the forward, so the backward gathers and quantizes them
+    again), or (``on_torch``) torch FSDP2 with bf16 all-gathers, each block's quantizable
+    weights replaced after its all-gather by the reference's values for this step (a forward
+    pre-hook; the blocks keep their unsharded parameters to the backward, which uses them
+    too). The same model, data and optimizer otherwise. NF4: the blocks' weights frozen.
+    ``hsdp``: a (2, 2) mesh, shards over 2 ranks."""
+    from dist_utils import full, full_params, ref_impl
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    if hsdp:
+        mesh, shard_ws = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard")), ws // 2
+    else:
+        mesh, shard_ws = init_device_mesh("cpu", (ws,)), ws
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    if fmt == "nf4":
+        for layer in model.layers:
+            for p in layer.parameters():
+                p.requires_grad_(p.dim() < 2)
+    impl = ref_impl() if on_torch else load_impl()
+    mp = impl.MixedPrecisionPolicy(**BF16)
+    kw = {} if on_torch else dict(all_gather=impl.module.QuantizedAllGather(fmt, min_numel=256))
+    for layer in model.layers:
+        impl.fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and not on_torch, **kw)
+    impl.fully_shard(model, mesh=mesh, mp_policy=mp)
+    want: dict = {}  # (block, name) -> this step's reference bf16 values
+
+    def put(m, args):
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if (m, n) in want:
+                    p.copy_(want[(m, n)])
+
+    if on_torch:
+        for layer in model.layers:
+            layer.register_forward_pre_hook(put)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        if on_torch:  # from the sharded full-precision parameters, as the quantizing codec's rule
+            want.clear()
+            for layer in model.layers:
+                for n, p in layer.named_parameters():
+                    if p.dim() >= 2 and p.numel() >= 256 and not (fmt == "nf4" and p.requires_grad):
+                        want[(layer, n)] = _reference_unsharded(full(p), fmt, shard_ws)
+            assert want, "no parameter to replace: the torch run would be plain bf16"
+        x = torch.randint(0, ARGS.vocab_size, (4 * ws, ARGS.max_seq_len), generator=gen)
+        loss = lm_loss(model(x[rank * 4 : (rank + 1) * 4]).float(), x[rank * 4 : (rank + 1) * 4])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, full_params(model)
+
+
+def _check_against_torch(fmt: str, hsdp: bool = False, reshard: bool = False) -> None:
+    """Training with the quantized all-gather is torch FSDP2's training on the reference's
+    quantized-then-dequantized weights, bit for bit: the same forward values, and each
+    gradient of a dequantized parameter reduced into its full-precision shard as torch reduces
+    the gradient of its bf16 one."""
+    steps = 4
+    ref_losses, ref_params = _train_against_torch(fmt, True, steps, hsdp, False)
+    losses, params = _train_against_torch(fmt, False, steps, hsdp, reshard)
+    assert losses == ref_losses, f"{fmt}: losses {losses} differ from torch FSDP2's on the reference weights {ref_losses}"
+    for n, v in ref_params.items():
+        assert torch.equal(params[n], v), f"{fmt}: parameter {n!r} after {steps} steps differs from torch FSDP2's"
+
+
+def _against_torch_grid():
+    cfgs = [dict(fmt=f) for f in ("fp8_rowwise", "fp8_tensorwise", "nf4")] + [dict(fmt="fp8_rowwise", reshard=True)]
+    run_grid(cfgs, _check_against_torch, name="quant-vs-torch")
+
+
+def _against_torch_hsdp_grid():
+    run_grid([dict(fmt=f, hsdp=True, reshard=True) for f in ("fp8_tensorwise", "nf4")], _check_against_torch, name="quant-vs-torch-hsdp")
+
+
+def test_quantized_training_is_torch_fsdp2_on_the_reference_weights():
+    run_distributed(_against_torch_grid, 2)
+
+
+def test_quantized_training_is_torch_fsdp2_on_the_reference_weights_hsdp_2x2():
+    run_distributed(_against_torch_hsdp_grid, 4)
 
 
 def _check_compiled(fmt: str) -> None:
