@@ -206,13 +206,18 @@ class ExtensionCodec(Codec):
         return sum(st.free() for st in self.states if st is not None)
 
 
+_CHUNK_ALIGN = 16  # bytes: a quantized unit's chunk of each rank (QuantCodec)
+
+
 class QuantCodec(Codec):
     """fsdp_native's quantized all-gather. One rank's chunk, in bytes:
     ``[quantized codes and scales (quant.unit_layout)][the other parameters' padded shards in
     the unsharded dtype]``; the copy-in is one quantize kernel for the unit. In a unit with
     several unsharded dtypes (no cast: each parameter's own, e.g. fp32 adapters beside bf16
-    frozen weights) the other parameters travel as bytes, and the chunk is padded to 8 bytes
-    so every rank's chunk starts aligned."""
+    frozen weights) the other parameters travel as bytes. The chunk is padded to a multiple
+    of 16 bytes, so that every rank's quantized region starts as aligned as the buffer (its
+    fp32 scales need 4 bytes, the GPU kernels' widest accesses 16): other parameters of odd
+    sizes would otherwise move the next rank's chunk off it."""
 
     dtype = torch.uint8
 
@@ -229,9 +234,11 @@ class QuantCodec(Codec):
         itemsize = layout.param_dtype.itemsize  # 1 when the unit gathers bytes
         self.q_bytes = quant.unit_layout(self.q_padded, self.rows, policy.format, block_size=policy.block_size).rank_nbytes
         plain_bytes = sum(layout.ag_padded[i] for i in self.plain) * itemsize
-        self.tail = -(self.q_bytes + plain_bytes) % 8 if layout.gather_bytes else 0
+        self.tail = -(self.q_bytes + plain_bytes) % _CHUNK_ALIGN  # bytes; q_bytes is a multiple of 16
         self.chunk = self.q_bytes + plain_bytes + self.tail
-        self.plain_padded = [self.q_bytes // itemsize] + [layout.ag_padded[i] for i in self.plain] + ([self.tail] if self.tail else [])
+        self.plain_padded = (
+            [self.q_bytes // itemsize] + [layout.ag_padded[i] for i in self.plain] + ([self.tail // itemsize] if self.tail else [])
+        )
         self.empty = torch.empty(0, dtype=layout.param_dtype, device=device)
         self._zero_others: bool | None = None  # decided at the first all-gather (the group's backend)
 
@@ -249,9 +256,10 @@ class QuantCodec(Codec):
             shards = self.layout.shard_views(unit.sharded_flat.to(unit.device, non_blocking=True))
         if self.plain or self.tail:  # zeroes the quantized region first (an empty source), then the shards
             if self.layout.gather_bytes:
-                views = [self.empty] + [shards[i].reshape(-1).view(torch.uint8) for i in self.plain] + ([self.empty] if self.tail else [])
+                views = [self.empty] + [shards[i].reshape(-1).view(torch.uint8) for i in self.plain]
             else:
                 views = [self.empty] + [shards[i] for i in self.plain]
+            views += [self.empty] if self.tail else []
             ops.all_gather_copy_in(views, self.plain_padded, inp.view(self.layout.param_dtype))
         quant.quantize_copy_in(
             [shards[i] for i in self.q],

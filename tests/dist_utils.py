@@ -628,6 +628,24 @@ def full(t):
     return gathered.movedim(0, dim).clone()
 
 
+def quantized_unsharded(w, fmt: str, ws: int, dtype=None):
+    """What fsdp_native's quantized all-gather (format ``fmt``) of the full-precision ``w``,
+    sharded on dim 0 over ``ws`` ranks, gives the forward in ``dtype`` (default bf16), by the
+    plain-PyTorch reference: every rank's padded shard quantized, the gathered chunks
+    dequantized."""
+    import math
+
+    import torch
+    from fsdp_native import _quant_ref, ops
+
+    padded = ops.padded_shard_numel(w.shape, ws)
+    row = math.prod(w.shape[1:])
+    flat = torch.cat([w.reshape(-1), w.new_zeros(padded * ws - w.numel())])
+    chunks = [_quant_ref.quantize([flat[r * padded : (r + 1) * padded]], [padded], [row], fmt) for r in range(ws)]
+    out = _quant_ref.dequantize(torch.cat(chunks), [padded], [row], ws, fmt, [w.numel()], [dtype or torch.bfloat16])[0]
+    return out.view(w.shape)
+
+
 def full_params(model) -> dict:
     return {n: full(p).detach().clone() for n, p in model.named_parameters()}
 

@@ -16,7 +16,11 @@ unit (True, False, None; at world size 4 over a 1-D mesh also the ints 1, 2, 4);
 precision (none, bf16 with fp32 reduction, bf16 throughout; an fp32 head unit, an fp32 root
 output); CPU offload; activation checkpointing; explicit prefetch; 1 or 2 micro-batches
 (set_requires_gradient_sync(False), optionally set_reshard_after_backward(False)); 2 steps of
-AdamW. World size 4 examples are HSDP 2x2 or 1-D over 4 ranks.
+AdamW. World size 4 examples are HSDP 2x2 or 1-D over 4 ranks. With fsdp_native under test,
+about 3 examples in 8 also give every unit fsdp_native's quantized all-gather (fp8_rowwise,
+fp8_tensorwise or NF4, every parameter of 2 or more dims quantized): torch FSDP2 then trains
+the same model with the reference's quantized values put in place after its all-gathers
+(`_quantizing`), so the two must still agree as above.
 
 The examples run inside the spawned ranks: both draw the same ones (derandomized, or
 FSDP_FUZZ_SEED), each example's outcome is agreed through the store, and a failure raises the
@@ -46,7 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 import dist_utils
-from dist_utils import ctx, full_params, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import ctx, full, full_params, load_impl, quantized_unsharded, ref_impl, run_distributed, run_grid
 
 FUZZ_EXAMPLES = int(os.environ.get("FSDP_FUZZ_EXAMPLES", "8"))
 HSDP_EXAMPLES = int(os.environ.get("FSDP_FUZZ_HSDP_EXAMPLES", "2"))
@@ -54,6 +58,8 @@ FUZZ_SEED = os.environ.get("FSDP_FUZZ_SEED")
 # bf16 parameters: both libraries compute in bf16; the parity tests' tolerance.
 BF16_TOL = dict(rtol=1.6e-2, atol=1e-2)
 EXACT_BF16 = os.environ.get("FSDP_FUZZ_EXACT_BF16", "0") == "1"
+# Examples with fsdp_native's quantized all-gather (only when it is the implementation under test).
+QUANT = dist_utils.impl_under_test_name() == "fsdp_native"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +91,7 @@ class Spec:
     ac: bool = False  # activation checkpointing inside the blocks
     prefetch: bool = False  # explicit forward / backward prefetch between block units
     keep_unsharded_in_accum: bool = False  # set_reshard_after_backward(False) but on the last micro-batch
+    quant: str | None = None  # fsdp_native's quantized all-gather on every unit (below)
     steps: int = 2
 
 
@@ -147,6 +154,8 @@ def build(impl, spec: Spec, mesh) -> Net:
         if n in frozen:
             p.requires_grad_(False)
     fs = impl.fully_shard
+    if spec.quant is not None:
+        fs = _quantizing(impl, spec, model, mesh)
     mp_kw = {
         "fp32": {},
         "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
@@ -182,6 +191,62 @@ def build(impl, spec: Spec, mesh) -> Net:
     return model
 
 
+_TORCH_WANT: dict = {}  # torch runs: (module, parameter name) -> (full-precision value, format, shard ranks)
+
+
+def _quantizing(impl, spec: Spec, model: Net, mesh):
+    """``fully_shard`` for a spec with a quantized all-gather. fsdp_native: every unit gets
+    ``QuantizedAllGather(spec.quant, min_numel=1)``, so every parameter of two or more dims
+    (NF4: and frozen) travels quantized. torch FSDP2, the reference: its usual all-gathers,
+    after each of which (forward, backward, the backward's re-gather after an int
+    reshard_after_forward) the reference's quantized values of those parameters
+    (``quantized_unsharded`` of the step's full-precision parameters, taken before each step
+    by ``model._fuzz_refresh``) are written into their unsharded tensors."""
+    if impl.name != "torch":
+        policy = impl.module.QuantizedAllGather(spec.quant, min_numel=1)
+        return lambda module, **kw: impl.fully_shard(module, all_gather=policy, **kw)
+    _put_after_unshard()
+    shard_ws = mesh.size(mesh.ndim - 1)
+    owners = [(m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)
+              if p.dim() >= 2 and p.numel() > 0 and not (spec.quant == "nf4" and p.requires_grad)]
+
+    def refresh():
+        _TORCH_WANT.clear()
+        for m, n in owners:
+            _TORCH_WANT[(m, n)] = (full(getattr(m, n)), spec.quant, shard_ws)
+
+    _TORCH_WANT.clear()
+    model._fuzz_refresh = refresh
+    return impl.fully_shard
+
+
+def _put_after_unshard() -> None:
+    """Once per process: torch FSDP2's ``FSDPParamGroup.wait_for_unshard`` (where an all-gather's
+    values become the unsharded parameters) followed by the write of ``_TORCH_WANT``'s values,
+    as torch's own copy-out writes: in place, the version counter kept, so that autograd's
+    saved tensors stay valid."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    if getattr(FSDPParamGroup, "_fuzz_quantized_values", False):
+        return
+    orig = FSDPParamGroup.wait_for_unshard
+
+    def wait_for_unshard(self, *args, **kwargs):
+        gathered = bool(self._all_gather_result)  # else torch returns at once: nothing new
+        out = orig(self, *args, **kwargs)
+        for fp in self.fsdp_params if gathered else ():
+            key = (fp._module_info.module, fp._module_info.param_name)
+            if key in _TORCH_WANT:
+                w, fmt, ws = _TORCH_WANT[key]
+                p = getattr(*key)
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+                    p.copy_(quantized_unsharded(w, fmt, ws, p.dtype))
+        return out
+
+    FSDPParamGroup.wait_for_unshard = wait_for_unshard
+    FSDPParamGroup._fuzz_quantized_values = True
+
+
 def train(model: Net, spec: Spec) -> dict:
     rank = dist.get_rank()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -189,6 +254,9 @@ def train(model: Net, spec: Spec) -> dict:
     g = torch.Generator().manual_seed(1000 + rank)
     losses = []
     for _ in range(spec.steps):
+        refresh = getattr(model, "_fuzz_refresh", None)
+        if refresh is not None:
+            refresh()
         for micro in range(spec.accum):
             if spec.accum > 1:
                 model.set_requires_gradient_sync(micro == spec.accum - 1)
@@ -255,7 +323,9 @@ def specs(draw, world_size: int = 2) -> Spec:
     )
     names = param_names(spec)
     frozen = draw(st.lists(st.sampled_from(names), max_size=3, unique=True)) if draw(st.booleans()) else []
-    return dataclasses.replace(spec, frozen=tuple(sorted(frozen)))
+    # fsdp_native's own quantized all-gather, against torch FSDP2 on the reference's values
+    quant = draw(st.sampled_from([None, "fp8_rowwise", "fp8_tensorwise", "nf4"])) if QUANT and draw(st.booleans()) else None
+    return dataclasses.replace(spec, frozen=tuple(sorted(frozen)), quant=quant)
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,3 +498,47 @@ def _reduce_bytes() -> None:
 
 def test_frozen_parameters_are_not_reduced():
     run_distributed(_reduce_bytes, 2, timeout=120)
+
+
+# A quantized unit whose unquantized parameters have odd sizes (found with the quantized
+# all-gather in the fuzzing: the nested fc1 unit, or the block's norm and biases beside the
+# quantized fc2 weight, over 2 ranks in bf16). A rank's chunk was the quantized bytes (a
+# multiple of 16) plus the other parameters' padded shards (here 18 bytes), so rank 1's chunk,
+# and its fp32 scales, started 2 bytes off 4: the CPU quantize raised on rank 1 only, and rank
+# 0 waited on the all-gather until gloo's timeout. Fixed: every rank's chunk is padded to a
+# multiple of 16 bytes (_codec.QuantCodec).
+
+ODD_QUANT = Spec(
+    width=5,
+    vocab=6,
+    blocks=(BlockSpec(hidden=8, norm=True, placement="nested", reshard=False),),
+    tied=False,
+    shared=False,
+    zero_param=None,
+    frozen=(),
+    head="root",
+    head_reshard=False,
+    root_reshard=False,
+    mp="bf16_all",
+    accum=1,
+    offload=True,
+    ac=True,
+    quant="fp8_tensorwise",
+)
+
+
+def _odd_quant() -> None:
+    global EXACT_BF16
+    EXACT_BF16 = True
+    frozen = ("blocks.0.fc1.weight", "blocks.0.fc2.weight")
+    specs = [
+        dataclasses.replace(ODD_QUANT, quant=q, mp=mp, frozen=frozen if q == "nf4" else ())
+        for q in ("fp8_rowwise", "fp8_tensorwise", "nf4")
+        for mp in ("bf16_all", "fp32")
+    ]
+    run_grid([dict(spec=s) for s in specs], compare, name="fuzz regression")
+
+
+@pytest.mark.skipif(not QUANT, reason="fsdp_native's own quantized all-gather")
+def test_quantized_unit_with_odd_sizes_against_torch():
+    run_distributed(_odd_quant, 2, timeout=180)

@@ -77,8 +77,7 @@ def _build(
 
 
 def _check_values(fmt: str) -> None:
-    from fsdp_native import _quant_ref, ops
-    from dist_utils import full
+    from dist_utils import full, quantized_unsharded
 
     ws, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (ws,))
@@ -92,12 +91,7 @@ def _check_values(fmt: str) -> None:
     for n in names:
         w = fulls[n]
         if w.dim() >= 2 and w.numel() >= 256:
-            padded = ops.padded_shard_numel(w.shape, ws)
-            row = math.prod(w.shape[1:])
-            flat = w.reshape(-1)
-            chunks = [_quant_ref.quantize([flat[r * padded : (r + 1) * padded]], [padded], [row], fmt) for r in range(ws)]
-            want = _quant_ref.dequantize(torch.cat(chunks), [padded], [row], ws, fmt, [w.numel()], [torch.bfloat16])[0]
-            want = want.view(w.shape)
+            want = quantized_unsharded(w, fmt, ws)
         else:
             want = w.to(torch.bfloat16)
         got = seen[n]
@@ -196,19 +190,6 @@ def test_quantized_training_follows_bf16():
     run_distributed(_training_grid, 2)
 
 
-def _reference_unsharded(w: torch.Tensor, fmt: str, ws: int) -> torch.Tensor:
-    """What a quantized all-gather of the full-precision ``w`` (sharded on dim 0 over ``ws``
-    ranks) gives the forward in bf16, by the plain-PyTorch reference: every rank's padded
-    shard quantized, the gathered chunks dequantized."""
-    from fsdp_native import _quant_ref, ops
-
-    padded = ops.padded_shard_numel(w.shape, ws)
-    row = math.prod(w.shape[1:])
-    flat = torch.cat([w.reshape(-1), w.new_zeros(padded * ws - w.numel())])
-    chunks = [_quant_ref.quantize([flat[r * padded : (r + 1) * padded]], [padded], [row], fmt) for r in range(ws)]
-    return _quant_ref.dequantize(torch.cat(chunks), [padded], [row], ws, fmt, [w.numel()], [torch.bfloat16])[0].view(w.shape)
-
-
 def _train_against_torch(fmt: str, on_torch: bool, steps: int, hsdp: bool, reshard: bool) -> tuple[list[float], dict]:
     """fsdp_native with the quantized all-gather of format ``fmt`` (``reshard``: the blocks'
     unsharded parameters freed after the forward, so the backward gathers and quantizes them
@@ -217,7 +198,7 @@ def _train_against_torch(fmt: str, on_torch: bool, steps: int, hsdp: bool, resha
     pre-hook; the blocks keep their unsharded parameters to the backward, which uses them
     too). The same model, data and optimizer otherwise. NF4: the blocks' weights frozen.
     ``hsdp``: a (2, 2) mesh, shards over 2 ranks."""
-    from dist_utils import full, full_params, ref_impl
+    from dist_utils import full, full_params, quantized_unsharded, ref_impl
 
     ws, rank = dist.get_world_size(), dist.get_rank()
     if hsdp:
@@ -256,7 +237,7 @@ def _train_against_torch(fmt: str, on_torch: bool, steps: int, hsdp: bool, resha
             for layer in model.layers:
                 for n, p in layer.named_parameters():
                     if p.dim() >= 2 and p.numel() >= 256 and not (fmt == "nf4" and p.requires_grad):
-                        want[(layer, n)] = _reference_unsharded(full(p), fmt, shard_ws)
+                        want[(layer, n)] = quantized_unsharded(full(p), fmt, shard_ws)
             assert want, "no parameter to replace: the torch run would be plain bf16"
         x = torch.randint(0, ARGS.vocab_size, (4 * ws, ARGS.max_seq_len), generator=gen)
         loss = lm_loss(model(x[rank * 4 : (rank + 1) * 4]).float(), x[rank * 4 : (rank + 1) * 4])
