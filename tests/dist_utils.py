@@ -646,6 +646,57 @@ def quantized_unsharded(w, fmt: str, ws: int, dtype=None):
     return out.view(w.shape)
 
 
+_TORCH_QUANT_VALUES: dict = {}  # (module, parameter name) -> (full-precision value, format, shard ranks)
+
+
+def torch_quantized_values(modules, fmt: str, shard_ws: int, quantized: Callable) -> Callable[[], int]:
+    """torch FSDP2 as the reference of fsdp_native's quantized all-gather: after each of
+    torch's all-gathers (forward, backward, a re-gather after an int reshard_after_forward),
+    the parameters ``p`` of ``modules`` (and their submodules) with ``quantized(p)`` get
+    ``quantized_unsharded`` of their step's full-precision values. Returns the function that
+    takes those values from the sharded parameters (and returns how many); call it before
+    each step."""
+    _install_torch_quantized_values()
+    owners = [(m, n) for mod in modules for m in mod.modules() for n, p in m.named_parameters(recurse=False) if quantized(p)]
+
+    def refresh() -> int:
+        _TORCH_QUANT_VALUES.clear()
+        for m, n in owners:
+            _TORCH_QUANT_VALUES[(m, n)] = (full(getattr(m, n)), fmt, shard_ws)
+        return len(owners)
+
+    _TORCH_QUANT_VALUES.clear()
+    return refresh
+
+
+def _install_torch_quantized_values() -> None:
+    """Once per process: torch FSDP2's ``FSDPParamGroup.wait_for_unshard`` (where an all-gather's
+    values become the unsharded parameters) followed by the write of ``_TORCH_QUANT_VALUES``,
+    as torch's own copy-out writes: in place, the version counter kept, so that autograd's
+    saved tensors stay valid."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    if getattr(FSDPParamGroup, "_quantized_values_installed", False):
+        return
+    orig = FSDPParamGroup.wait_for_unshard
+
+    def wait_for_unshard(self, *args, **kwargs):
+        gathered = bool(self._all_gather_result)  # else torch returns at once: nothing new
+        out = orig(self, *args, **kwargs)
+        for fp in self.fsdp_params if gathered else ():
+            key = (fp._module_info.module, fp._module_info.param_name)
+            if key in _TORCH_QUANT_VALUES:
+                w, fmt, ws = _TORCH_QUANT_VALUES[key]
+                p = getattr(*key)
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+                    p.copy_(quantized_unsharded(w, fmt, ws, p.dtype))
+        return out
+
+    FSDPParamGroup.wait_for_unshard = wait_for_unshard
+    FSDPParamGroup._quantized_values_installed = True
+
+
 def full_params(model) -> dict:
     return {n: full(p).detach().clone() for n, p in model.named_parameters()}
 

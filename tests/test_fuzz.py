@@ -50,7 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 import dist_utils
-from dist_utils import ctx, full, full_params, load_impl, quantized_unsharded, ref_impl, run_distributed, run_grid
+from dist_utils import ctx, full_params, load_impl, ref_impl, run_distributed, run_grid, torch_quantized_values
 
 FUZZ_EXAMPLES = int(os.environ.get("FSDP_FUZZ_EXAMPLES", "8"))
 HSDP_EXAMPLES = int(os.environ.get("FSDP_FUZZ_HSDP_EXAMPLES", "2"))
@@ -191,60 +191,21 @@ def build(impl, spec: Spec, mesh) -> Net:
     return model
 
 
-_TORCH_WANT: dict = {}  # torch runs: (module, parameter name) -> (full-precision value, format, shard ranks)
-
-
 def _quantizing(impl, spec: Spec, model: Net, mesh):
     """``fully_shard`` for a spec with a quantized all-gather. fsdp_native: every unit gets
     ``QuantizedAllGather(spec.quant, min_numel=1)``, so every parameter of two or more dims
     (NF4: and frozen) travels quantized. torch FSDP2, the reference: its usual all-gathers,
-    after each of which (forward, backward, the backward's re-gather after an int
-    reshard_after_forward) the reference's quantized values of those parameters
-    (``quantized_unsharded`` of the step's full-precision parameters, taken before each step
-    by ``model._fuzz_refresh``) are written into their unsharded tensors."""
+    after each of which the reference's quantized values of those parameters are written
+    into their unsharded tensors (``dist_utils.torch_quantized_values``; the step's
+    full-precision values are taken before each step by ``model._fuzz_refresh``)."""
     if impl.name != "torch":
         policy = impl.module.QuantizedAllGather(spec.quant, min_numel=1)
         return lambda module, **kw: impl.fully_shard(module, all_gather=policy, **kw)
-    _put_after_unshard()
-    shard_ws = mesh.size(mesh.ndim - 1)
-    owners = [(m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)
-              if p.dim() >= 2 and p.numel() > 0 and not (spec.quant == "nf4" and p.requires_grad)]
-
-    def refresh():
-        _TORCH_WANT.clear()
-        for m, n in owners:
-            _TORCH_WANT[(m, n)] = (full(getattr(m, n)), spec.quant, shard_ws)
-
-    _TORCH_WANT.clear()
-    model._fuzz_refresh = refresh
+    model._fuzz_refresh = torch_quantized_values(
+        [model], spec.quant, mesh.size(mesh.ndim - 1),
+        lambda p: p.dim() >= 2 and p.numel() > 0 and not (spec.quant == "nf4" and p.requires_grad),
+    )
     return impl.fully_shard
-
-
-def _put_after_unshard() -> None:
-    """Once per process: torch FSDP2's ``FSDPParamGroup.wait_for_unshard`` (where an all-gather's
-    values become the unsharded parameters) followed by the write of ``_TORCH_WANT``'s values,
-    as torch's own copy-out writes: in place, the version counter kept, so that autograd's
-    saved tensors stay valid."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    if getattr(FSDPParamGroup, "_fuzz_quantized_values", False):
-        return
-    orig = FSDPParamGroup.wait_for_unshard
-
-    def wait_for_unshard(self, *args, **kwargs):
-        gathered = bool(self._all_gather_result)  # else torch returns at once: nothing new
-        out = orig(self, *args, **kwargs)
-        for fp in self.fsdp_params if gathered else ():
-            key = (fp._module_info.module, fp._module_info.param_name)
-            if key in _TORCH_WANT:
-                w, fmt, ws = _TORCH_WANT[key]
-                p = getattr(*key)
-                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
-                    p.copy_(quantized_unsharded(w, fmt, ws, p.dtype))
-        return out
-
-    FSDPParamGroup.wait_for_unshard = wait_for_unshard
-    FSDPParamGroup._fuzz_quantized_values = True
 
 
 def train(model: Net, spec: Spec) -> dict:

@@ -194,11 +194,11 @@ def _train_against_torch(fmt: str, on_torch: bool, steps: int, hsdp: bool, resha
     """fsdp_native with the quantized all-gather of format ``fmt`` (``reshard``: the blocks'
     unsharded parameters freed after the forward, so the backward gathers and quantizes them
     again), or (``on_torch``) torch FSDP2 with bf16 all-gathers, each block's quantizable
-    weights replaced after its all-gather by the reference's values for this step (a forward
-    pre-hook; the blocks keep their unsharded parameters to the backward, which uses them
-    too). The same model, data and optimizer otherwise. NF4: the blocks' weights frozen.
+    weights replaced after each of its all-gathers by the reference's values for this step
+    (``dist_utils.torch_quantized_values``; the blocks keep their unsharded parameters to the
+    backward). The same model, data and optimizer otherwise. NF4: the blocks' weights frozen.
     ``hsdp``: a (2, 2) mesh, shards over 2 ranks."""
-    from dist_utils import full, full_params, quantized_unsharded, ref_impl
+    from dist_utils import full_params, ref_impl, torch_quantized_values
 
     ws, rank = dist.get_world_size(), dist.get_rank()
     if hsdp:
@@ -217,28 +217,16 @@ def _train_against_torch(fmt: str, on_torch: bool, steps: int, hsdp: bool, resha
     for layer in model.layers:
         impl.fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and not on_torch, **kw)
     impl.fully_shard(model, mesh=mesh, mp_policy=mp)
-    want: dict = {}  # (block, name) -> this step's reference bf16 values
-
-    def put(m, args):
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if (m, n) in want:
-                    p.copy_(want[(m, n)])
-
-    if on_torch:
-        for layer in model.layers:
-            layer.register_forward_pre_hook(put)
+    if on_torch:  # the quantizing codec's rule
+        refresh = torch_quantized_values(
+            model.layers, fmt, shard_ws, lambda p: p.dim() >= 2 and p.numel() >= 256 and not (fmt == "nf4" and p.requires_grad)
+        )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     gen = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(steps):
-        if on_torch:  # from the sharded full-precision parameters, as the quantizing codec's rule
-            want.clear()
-            for layer in model.layers:
-                for n, p in layer.named_parameters():
-                    if p.dim() >= 2 and p.numel() >= 256 and not (fmt == "nf4" and p.requires_grad):
-                        want[(layer, n)] = quantized_unsharded(full(p), fmt, shard_ws)
-            assert want, "no parameter to replace: the torch run would be plain bf16"
+        if on_torch:  # the step's values, from the sharded full-precision parameters
+            assert refresh(), "no parameter to replace: the torch run would be plain bf16"
         x = torch.randint(0, ARGS.vocab_size, (4 * ws, ARGS.max_seq_len), generator=gen)
         loss = lm_loss(model(x[rank * 4 : (rank + 1) * 4]).float(), x[rank * 4 : (rank + 1) * 4])
         loss.backward()
