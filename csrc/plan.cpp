@@ -8,43 +8,12 @@
 #include <algorithm>
 #include <string>
 
+#include "checks.h"
+
 namespace fsdp_native {
 namespace {
 
-bool is_cast_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
-void check_flat(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.is_contiguous(), op, ": argument '", name,
-              "' must be contiguous, got a tensor with sizes ", t.sizes(), " and strides ",
-              t.strides());
-}
-
-void check_device(const at::Tensor& t, const at::Device& device, const char* op,
-                  const std::string& name) {
-  TORCH_CHECK(t.device() == device, op, ": argument '", name, "' is on device ", t.device(),
-              ", expected ", device, " (the device of the flat buffer)");
-}
-
-// A dtype as Python spells it ("torch.float32").
-std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kByte: return "torch.uint8";
-    case at::kChar: return "torch.int8";
-    case at::kShort: return "torch.int16";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kBool: return "torch.bool";
-    case at::kComplexFloat: return "torch.complex64";
-    case at::kComplexDouble: return "torch.complex128";
-    default: return std::string("torch.") + c10::toString(t);
-  }
-}
+constexpr const char* kFlatBuffer = "the flat buffer";
 
 void check_pair(at::ScalarType src, at::ScalarType dst, bool arithmetic, const char* op,
                 const std::string& name) {
@@ -58,12 +27,10 @@ void check_pair(at::ScalarType src, at::ScalarType dst, bool arithmetic, const c
 }
 
 void check_padded(at::IntArrayRef padded, size_t n, const char* op, const char* list_name) {
-  TORCH_CHECK(padded.size() == n, op, ": argument 'padded_numels' has ", padded.size(),
-              " entries, expected ", n, " (one per tensor of '", list_name, "')");
+  check_count(padded, n, op, "padded_numels", list_name);
   int64_t total = 0;
   for (size_t i = 0; i < padded.size(); ++i) {
-    TORCH_CHECK(padded[i] >= 0, op, ": argument 'padded_numels[", i, "]' is ", padded[i],
-                ", expected a non-negative element count");
+    check_padded_entry(padded[i], i, op);
     TORCH_CHECK(!c10::add_overflows(total, padded[i], &total), op,
                 ": argument 'padded_numels' sums to more than int64 can hold");
   }
@@ -75,12 +42,56 @@ int64_t sum(at::IntArrayRef v) {
   return s;
 }
 
-// world_size x chunk, checked: both are validated non-negative / positive before.
-int64_t times_world(int64_t chunk, int64_t world_size, const char* op) {
-  int64_t out = 0;
-  TORCH_CHECK(!c10::mul_overflows(chunk, world_size, &out), op, ": world_size ", world_size,
+void check_world_size(int64_t world_size, const char* op) {
+  TORCH_CHECK(world_size >= 1, op, ": argument 'world_size' is ", world_size,
+              ", expected a positive integer");
+}
+
+// The flat buffer of one rank's chunk: sum(padded_numels) elements.
+void check_rank_buffer(const at::Tensor& t, at::IntArrayRef padded, const char* op,
+                       const char* name) {
+  check_contiguous(t, op, name);
+  const int64_t total = sum(padded);
+  TORCH_CHECK(t.numel() == total, op, ": argument '", name, "' has ", t.numel(),
+              " elements, expected ", total, " (the sum of padded_numels)");
+}
+
+// The flat buffer of every rank's chunk: world_size x sum(padded_numels) elements (padded
+// already checked: its sum fits). Returns the chunk.
+int64_t check_world_buffer(const at::Tensor& t, at::IntArrayRef padded, int64_t world_size,
+                           const char* op, const char* name) {
+  check_contiguous(t, op, name);
+  const int64_t chunk = sum(padded);
+  int64_t expected = 0;
+  TORCH_CHECK(!c10::mul_overflows(chunk, world_size, &expected), op, ": world_size ", world_size,
               " x sum of padded_numels ", chunk, " overflows int64");
-  return out;
+  TORCH_CHECK(t.numel() == expected, op, ": argument '", name, "' has ", t.numel(),
+              " elements, expected ", expected, " (world_size ", world_size,
+              " x sum of padded_numels ", chunk, ")");
+  return chunk;
+}
+
+// One tensor of a list argument: on the flat buffer's device, contiguous, and a dtype pair
+// with the buffer that the kernels copy.
+void check_item(const at::Tensor& t, const at::Device& device, at::ScalarType src,
+                at::ScalarType dst, bool arithmetic, const char* op, const std::string& name) {
+  check_device(t, device, op, name, kFlatBuffer);
+  check_contiguous(t, op, name);
+  check_pair(src, dst, arithmetic, op, name);
+}
+
+// Tensor i of a list holds at most its padded_numels entry (times world_size for an unsharded
+// tensor: world_size > 0).
+void check_at_most(const at::Tensor& t, int64_t padded, size_t i, int64_t world_size,
+                   const char* op, const std::string& name) {
+  if (world_size == 0) {
+    TORCH_CHECK(t.numel() <= padded, op, ": argument '", name, "' has ", t.numel(),
+                " elements, expected at most padded_numels[", i, "] = ", padded);
+  } else {
+    TORCH_CHECK(t.numel() <= padded * world_size, op, ": argument '", name, "' has ", t.numel(),
+                " elements, expected at most world_size x padded_numels[", i, "] = ",
+                padded * world_size);
+  }
 }
 
 // Adds `seg` to the group of its dtype pair (groups are few, linear search is fine).
@@ -98,9 +109,63 @@ void add_segment(CopyPlan& plan, at::ScalarType src, at::ScalarType dst, const S
 const char* byte_ptr(const at::Tensor& t) { return static_cast<const char*>(t.const_data_ptr()); }
 char* mut_byte_ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
-void check_world_size(int64_t world_size, const char* op) {
-  TORCH_CHECK(world_size >= 1, op, ": argument 'world_size' is ", world_size,
-              ", expected a positive integer");
+// Between one rank's chunk `buffer` and a list of shards: shard i <-> its padded slot.
+// `into_buffer` (all_gather_copy_in): shards -> buffer, zero-filling each slot past its shard;
+// else (reduce_scatter_copy_out) buffer -> shards, in `plan.mode`.
+void add_rank_segments(CopyPlan& plan, const at::Tensor& buffer, at::IntArrayRef padded_numels,
+                       at::TensorList list, bool into_buffer, const char* op,
+                       const char* list_name) {
+  const auto dtype = buffer.scalar_type();
+  const int64_t es = buffer.element_size();
+  const bool arithmetic = plan.mode != Mode::kCopy;
+  int64_t offset = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const auto& t = list[i];
+    const std::string name = item_name(list_name, i);
+    const auto src = into_buffer ? t.scalar_type() : dtype, dst = into_buffer ? dtype : t.scalar_type();
+    check_item(t, plan.device, src, dst, arithmetic, op, name);
+    check_at_most(t, padded_numels[i], i, 0, op, name);
+    if (into_buffer) {
+      add_segment(plan, src, dst, Segment{byte_ptr(t), mut_byte_ptr(buffer) + offset * es, t.numel(),
+                                          padded_numels[i] - t.numel()});
+    } else {
+      add_segment(plan, src, dst, Segment{byte_ptr(buffer) + offset * es, mut_byte_ptr(t), t.numel(), 0});
+    }
+    offset += padded_numels[i];
+  }
+}
+
+// Between every rank's chunks `buffer` ([world_size][chunk]) and a list of unsharded tensors:
+// rank r's slice of tensor i <-> its padded slot in chunk r. `into_buffer`
+// (reduce_scatter_copy_in): tensors -> buffer, zero-filling each slot past the tensor's end;
+// else (all_gather_copy_out) buffer -> tensors, the padding left out.
+void add_world_segments(CopyPlan& plan, const at::Tensor& buffer, at::IntArrayRef padded_numels,
+                        int64_t world_size, int64_t chunk, at::TensorList list, bool into_buffer,
+                        const char* op, const char* list_name) {
+  const auto dtype = buffer.scalar_type();
+  const int64_t buffer_es = buffer.element_size();
+  int64_t offset = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const auto& t = list[i];
+    const std::string name = item_name(list_name, i);
+    const auto src = into_buffer ? t.scalar_type() : dtype, dst = into_buffer ? dtype : t.scalar_type();
+    check_item(t, plan.device, src, dst, false, op, name);
+    check_at_most(t, padded_numels[i], i, world_size, op, name);
+    const int64_t padded = padded_numels[i];
+    const int64_t es = t.element_size();
+    for (int64_t r = 0; r < world_size; ++r) {
+      const int64_t valid = shard_valid_numel(t.numel(), padded, r);
+      const int64_t slot = (r * chunk + offset) * buffer_es;
+      if (into_buffer) {
+        add_segment(plan, src, dst, Segment{byte_ptr(t) + r * padded * es, mut_byte_ptr(buffer) + slot,
+                                            valid, padded - valid});
+      } else {
+        if (valid == 0) break;
+        add_segment(plan, src, dst, Segment{byte_ptr(buffer) + slot, mut_byte_ptr(t) + r * padded * es, valid, 0});
+      }
+    }
+    offset += padded;
+  }
 }
 
 }  // namespace
@@ -114,28 +179,10 @@ CopyPlan plan_all_gather_copy_in(at::TensorList shards, at::IntArrayRef padded_n
                                  const at::Tensor& out) {
   constexpr const char* op = "fsdp_native::all_gather_copy_in";
   check_padded(padded_numels, shards.size(), op, "shards");
-  check_flat(out, op, "out");
-  const int64_t total = sum(padded_numels);
-  TORCH_CHECK(out.numel() == total, op, ": argument 'out' has ", out.numel(),
-              " elements, expected ", total, " (the sum of padded_numels)");
+  check_rank_buffer(out, padded_numels, op, "out");
   CopyPlan plan;
   plan.device = out.device();
-  const auto dst_dtype = out.scalar_type();
-  const int64_t dst_es = out.element_size();
-  int64_t offset = 0;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const auto& s = shards[i];
-    const std::string name = "shards[" + std::to_string(i) + "]";
-    check_device(s, plan.device, op, name);
-    check_flat(s, op, name.c_str());
-    check_pair(s.scalar_type(), dst_dtype, false, op, name);
-    TORCH_CHECK(s.numel() <= padded_numels[i], op, ": argument '", name, "' has ", s.numel(),
-                " elements, expected at most padded_numels[", i, "] = ", padded_numels[i]);
-    add_segment(plan, s.scalar_type(), dst_dtype,
-                Segment{byte_ptr(s), mut_byte_ptr(out) + offset * dst_es, s.numel(),
-                        padded_numels[i] - s.numel()});
-    offset += padded_numels[i];
-  }
+  add_rank_segments(plan, out, padded_numels, shards, true, op, "shards");
   return plan;
 }
 
@@ -145,39 +192,12 @@ CopyPlan plan_all_gather_copy_out(const at::Tensor& all_gather_output,
   constexpr const char* op = "fsdp_native::all_gather_copy_out";
   check_world_size(world_size, op);
   check_padded(padded_numels, outs.size(), op, "outs");
-  check_flat(all_gather_output, op, "all_gather_output");
-  const int64_t chunk = sum(padded_numels);
-  const int64_t expected = times_world(chunk, world_size, op);
-  TORCH_CHECK(all_gather_output.numel() == expected, op,
-              ": argument 'all_gather_output' has ", all_gather_output.numel(),
-              " elements, expected ", expected, " (world_size ", world_size,
-              " x sum of padded_numels ", chunk, ")");
+  const int64_t chunk =
+      check_world_buffer(all_gather_output, padded_numels, world_size, op, "all_gather_output");
   CopyPlan plan;
   plan.device = all_gather_output.device();
-  const auto src_dtype = all_gather_output.scalar_type();
-  const int64_t src_es = all_gather_output.element_size();
-  int64_t offset = 0;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const auto& o = outs[i];
-    const std::string name = "outs[" + std::to_string(i) + "]";
-    check_device(o, plan.device, op, name);
-    check_flat(o, op, name.c_str());
-    check_pair(src_dtype, o.scalar_type(), false, op, name);
-    const int64_t numel = o.numel();
-    const int64_t padded = padded_numels[i];
-    TORCH_CHECK(numel <= padded * world_size, op, ": argument '", name, "' has ", numel,
-                " elements, expected at most world_size x padded_numels[", i, "] = ",
-                padded * world_size);
-    const int64_t dst_es = o.element_size();
-    for (int64_t r = 0; r < world_size; ++r) {
-      const int64_t valid = shard_valid_numel(numel, padded, r);
-      if (valid == 0) break;
-      add_segment(plan, src_dtype, o.scalar_type(),
-                  Segment{byte_ptr(all_gather_output) + (r * chunk + offset) * src_es,
-                          mut_byte_ptr(o) + r * padded * dst_es, valid, 0});
-    }
-    offset += padded;
-  }
+  add_world_segments(plan, all_gather_output, padded_numels, world_size, chunk, outs, false, op,
+                     "outs");
   return plan;
 }
 
@@ -186,38 +206,10 @@ CopyPlan plan_reduce_scatter_copy_in(at::TensorList grads, at::IntArrayRef padde
   constexpr const char* op = "fsdp_native::reduce_scatter_copy_in";
   check_world_size(world_size, op);
   check_padded(padded_numels, grads.size(), op, "grads");
-  check_flat(out, op, "out");
-  const int64_t chunk = sum(padded_numels);
-  const int64_t expected = times_world(chunk, world_size, op);
-  TORCH_CHECK(out.numel() == expected, op, ": argument 'out' has ", out.numel(),
-              " elements, expected ", expected, " (world_size ", world_size,
-              " x sum of padded_numels ", chunk, ")");
+  const int64_t chunk = check_world_buffer(out, padded_numels, world_size, op, "out");
   CopyPlan plan;
   plan.device = out.device();
-  const auto dst_dtype = out.scalar_type();
-  const int64_t dst_es = out.element_size();
-  int64_t offset = 0;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const auto& g = grads[i];
-    const std::string name = "grads[" + std::to_string(i) + "]";
-    check_device(g, plan.device, op, name);
-    check_flat(g, op, name.c_str());
-    check_pair(g.scalar_type(), dst_dtype, false, op, name);
-    const int64_t numel = g.numel();
-    const int64_t padded = padded_numels[i];
-    TORCH_CHECK(numel <= padded * world_size, op, ": argument '", name, "' has ", numel,
-                " elements, expected at most world_size x padded_numels[", i, "] = ",
-                padded * world_size);
-    const int64_t src_es = g.element_size();
-    for (int64_t r = 0; r < world_size; ++r) {
-      const int64_t valid = shard_valid_numel(numel, padded, r);
-      add_segment(plan, g.scalar_type(), dst_dtype,
-                  Segment{byte_ptr(g) + r * padded * src_es,
-                          mut_byte_ptr(out) + (r * chunk + offset) * dst_es, valid,
-                          padded - valid});
-    }
-    offset += padded;
-  }
+  add_world_segments(plan, out, padded_numels, world_size, chunk, grads, true, op, "grads");
   return plan;
 }
 
@@ -226,32 +218,14 @@ CopyPlan plan_reduce_scatter_copy_out(const at::Tensor& shard, at::IntArrayRef p
                                       at::TensorList grads) {
   constexpr const char* op = "fsdp_native::reduce_scatter_copy_out";
   check_padded(padded_numels, grads.size(), op, "grads");
-  check_flat(shard, op, "shard");
   TORCH_CHECK(divide_factor > 0.0, op, ": argument 'divide_factor' is ", divide_factor,
               ", expected a positive number");
-  const int64_t total = sum(padded_numels);
-  TORCH_CHECK(shard.numel() == total, op, ": argument 'shard' has ", shard.numel(),
-              " elements, expected ", total, " (the sum of padded_numels)");
+  check_rank_buffer(shard, padded_numels, op, "shard");
   CopyPlan plan;
   plan.device = shard.device();
   plan.scale = 1.0 / divide_factor;
   plan.mode = accumulate ? Mode::kAccumulate : (divide_factor != 1.0 ? Mode::kScale : Mode::kCopy);
-  const bool arithmetic = plan.mode != Mode::kCopy;
-  const auto src_dtype = shard.scalar_type();
-  const int64_t src_es = shard.element_size();
-  int64_t offset = 0;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const auto& g = grads[i];
-    const std::string name = "grads[" + std::to_string(i) + "]";
-    check_device(g, plan.device, op, name);
-    check_flat(g, op, name.c_str());
-    check_pair(src_dtype, g.scalar_type(), arithmetic, op, name);
-    TORCH_CHECK(g.numel() <= padded_numels[i], op, ": argument '", name, "' has ", g.numel(),
-                " elements, expected at most padded_numels[", i, "] = ", padded_numels[i]);
-    add_segment(plan, src_dtype, g.scalar_type(),
-                Segment{byte_ptr(shard) + offset * src_es, mut_byte_ptr(g), g.numel(), 0});
-    offset += padded_numels[i];
-  }
+  add_rank_segments(plan, shard, padded_numels, grads, false, op, "grads");
   return plan;
 }
 
@@ -266,8 +240,7 @@ namespace {
 void check_devices(const char* op, const at::Tensor& buffer, at::TensorList list,
                    const char* list_name) {
   for (size_t i = 0; i < list.size(); ++i) {
-    check_device(list[i], buffer.device(), op,
-                 std::string(list_name) + "[" + std::to_string(i) + "]");
+    check_device(list[i], buffer.device(), op, item_name(list_name, i), kFlatBuffer);
   }
 }
 

@@ -10,29 +10,13 @@
 
 #include <string>
 
+#include "checks.h"
+
 namespace fsdp_native {
 namespace quant {
 namespace {
 
 constexpr int64_t kMaxBlock = 4096;
-
-std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kByte: return "torch.uint8";
-    case at::kChar: return "torch.int8";
-    case at::kShort: return "torch.int16";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kBool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(t);
-  }
-}
-
-bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 int parse_format(c10::string_view format, const char* op) {
   if (format == "fp8_tensorwise") return kFp8Tensorwise;
@@ -49,20 +33,8 @@ void check_block(int fmt, int64_t block, const char* op) {
               kMaxBlock);
 }
 
-void check_contiguous(const at::Tensor& t, const char* op, const std::string& name) {
-  TORCH_CHECK(t.is_contiguous(), op, ": argument '", name,
-              "' must be contiguous, got a tensor with sizes ", t.sizes(), " and strides ",
-              t.strides());
-}
-
-void check_device(const at::Tensor& t, const at::Device& device, const char* op,
-                  const std::string& name, const char* buffer) {
-  TORCH_CHECK(t.device() == device, op, ": argument '", name, "' is on device ", t.device(),
-              ", expected ", device, " (the device of '", buffer, "')");
-}
-
 void check_float_dtype(const at::Tensor& t, const char* op, const std::string& name) {
-  TORCH_CHECK(is_float(t.scalar_type()), op, ": argument '", name, "' has dtype ",
+  TORCH_CHECK(is_cast_float(t.scalar_type()), op, ": argument '", name, "' has dtype ",
               dtype_name(t.scalar_type()),
               ", expected torch.float32, torch.bfloat16 or torch.float16");
 }
@@ -75,20 +47,13 @@ void check_bytes(const at::Tensor& t, const char* op, const char* name) {
               "(the fp32 scales are read in place)");
 }
 
-void check_count(at::IntArrayRef v, size_t n, const char* op, const char* name,
-                 const char* list_name) {
-  TORCH_CHECK(v.size() == n, op, ": argument '", name, "' has ", v.size(), " entries, expected ",
-              n, " (one per tensor of '", list_name, "')");
-}
-
 // Per-parameter segments of one rank's chunk; returns the chunk's bytes.
 int64_t lay_out(int fmt, int64_t block, at::IntArrayRef padded_numels, at::IntArrayRef row_numels,
                 std::vector<QuantParam>& params, const char* op) {
   int64_t offset = 0;
   for (size_t i = 0; i < padded_numels.size(); ++i) {
     const int64_t padded = padded_numels[i], row = row_numels[i];
-    TORCH_CHECK(padded >= 0, op, ": argument 'padded_numels[", i, "]' is ", padded,
-                ", expected a non-negative element count");
+    check_padded_entry(padded, i, op);
     TORCH_CHECK(padded <= (int64_t{1} << 60), op, ": argument 'padded_numels[", i, "]' is ",
                 padded, ", expected at most 2^60");
     TORCH_CHECK(row >= 0, op, ": argument 'row_numels[", i, "]' is ", row,
@@ -131,8 +96,8 @@ QuantizePlan plan_quantize_copy_in(at::TensorList shards, at::IntArrayRef padded
               "fsdp_native.quant.unit_layout(...).rank_nbytes)");
   for (size_t i = 0; i < shards.size(); ++i) {
     const auto& s = shards[i];
-    const std::string name = "shards[" + std::to_string(i) + "]";
-    check_device(s, out.device(), op, name, "out");
+    const std::string name = item_name("shards", i);
+    check_device(s, out.device(), op, name, "'out'");
     check_float_dtype(s, op, name);
     check_contiguous(s, op, name);
     TORCH_CHECK(s.numel() <= padded_numels[i], op, ": argument '", name, "' has ", s.numel(),
@@ -146,7 +111,7 @@ QuantizePlan plan_quantize_copy_in(at::TensorList shards, at::IntArrayRef padded
     const auto& a = *amax;
     TORCH_CHECK(plan.fmt == kFp8Tensorwise, op, ": argument 'amax' is a tensor, expected None "
                 "for format '", std::string(format), "' (only fp8_tensorwise takes a given amax)");
-    check_device(a, out.device(), op, "amax", "out");
+    check_device(a, out.device(), op, "amax", "'out'");
     TORCH_CHECK(a.scalar_type() == at::kFloat, op, ": argument 'amax' has dtype ",
                 dtype_name(a.scalar_type()), ", expected torch.float32");
     check_contiguous(a, op, "amax");
@@ -196,8 +161,8 @@ DequantizePlan plan_dequantize_copy_out(const at::Tensor& gathered, at::IntArray
   }
   for (size_t i = 0; i < outs.size(); ++i) {
     const auto& o = outs[i];
-    const std::string name = "outs[" + std::to_string(i) + "]";
-    check_device(o, gathered.device(), op, name, "gathered");
+    const std::string name = item_name("outs", i);
+    check_device(o, gathered.device(), op, name, "'gathered'");
     check_float_dtype(o, op, name);
     check_contiguous(o, op, name);
     int64_t capacity = 0;
@@ -224,8 +189,8 @@ AmaxPlan plan_quantize_amax(at::TensorList shards, const at::Tensor& out) {
               out.numel(), " elements, expected ", shards.size(), " (one per tensor of 'shards')");
   for (size_t i = 0; i < shards.size(); ++i) {
     const auto& s = shards[i];
-    const std::string name = "shards[" + std::to_string(i) + "]";
-    check_device(s, out.device(), op, name, "out");
+    const std::string name = item_name("shards", i);
+    check_device(s, out.device(), op, name, "'out'");
     check_float_dtype(s, op, name);
     check_contiguous(s, op, name);
     QuantParam p{};

@@ -28,27 +28,7 @@
 
 #include "../plan.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define FSDPN_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#else
-#define FSDPN_MULTIVERSION
-#endif
-// No a + b * c -> fma(a, b, c) contraction: every clone (FMA or not) rounds the same way, and
-// the result equals torch's `(dst.float() + src.float() * scale).to(dst.dtype)` bit for bit.
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-// The element loops must inline into every clone (GCC does not inline across different target
-// options on its own), else they run as baseline SSE2 code.
-#if defined(__GNUC__)
-#define FSDPN_INLINE inline __attribute__((always_inline))
-#define FSDPN_LAMBDA_INLINE __attribute__((always_inline))
-#else
-#define FSDPN_INLINE inline
-#define FSDPN_LAMBDA_INLINE
-#endif
+#include "clones.h"
 
 namespace fsdp_native {
 namespace {

@@ -30,22 +30,7 @@
 #define FSDPN_QUANT_X86 0
 #endif
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define FSDPN_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#else
-#define FSDPN_MULTIVERSION
-#endif
-// One rounding per operation in every clone (the reference and Triton round each op).
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-#if defined(__GNUC__)
-#define FSDPN_INLINE inline __attribute__((always_inline))
-#else
-#define FSDPN_INLINE inline
-#endif
+#include "clones.h"
 
 namespace fsdp_native {
 namespace quant {
