@@ -33,10 +33,18 @@ void check_block(int fmt, int64_t block, const char* op) {
               kMaxBlock);
 }
 
-void check_float_dtype(const at::Tensor& t, const char* op, const std::string& name) {
+// Tensor i of the list `list`: on the device of `buffer`, a floating dtype, contiguous.
+// Returns its name.
+std::string check_float_item(at::TensorList list, size_t i, const char* list_name,
+                             const at::Tensor& buffer, const char* buffer_name, const char* op) {
+  const auto& t = list[i];
+  std::string name = item_name(list_name, i);
+  check_device(t, buffer.device(), op, name, buffer_name);
   TORCH_CHECK(is_cast_float(t.scalar_type()), op, ": argument '", name, "' has dtype ",
               dtype_name(t.scalar_type()),
               ", expected torch.float32, torch.bfloat16 or torch.float16");
+  check_contiguous(t, op, name);
+  return name;
 }
 
 void check_bytes(const at::Tensor& t, const char* op, const char* name) {
@@ -96,10 +104,7 @@ QuantizePlan plan_quantize_copy_in(at::TensorList shards, at::IntArrayRef padded
               "fsdp_native.quant.unit_layout(...).rank_nbytes)");
   for (size_t i = 0; i < shards.size(); ++i) {
     const auto& s = shards[i];
-    const std::string name = item_name("shards", i);
-    check_device(s, out.device(), op, name, "'out'");
-    check_float_dtype(s, op, name);
-    check_contiguous(s, op, name);
+    const std::string name = check_float_item(shards, i, "shards", out, "'out'", op);
     TORCH_CHECK(s.numel() <= padded_numels[i], op, ": argument '", name, "' has ", s.numel(),
                 " elements, expected at most padded_numels[", i, "] = ", padded_numels[i]);
     auto& p = plan.params[i];
@@ -161,10 +166,7 @@ DequantizePlan plan_dequantize_copy_out(const at::Tensor& gathered, at::IntArray
   }
   for (size_t i = 0; i < outs.size(); ++i) {
     const auto& o = outs[i];
-    const std::string name = item_name("outs", i);
-    check_device(o, gathered.device(), op, name, "'gathered'");
-    check_float_dtype(o, op, name);
-    check_contiguous(o, op, name);
+    const std::string name = check_float_item(outs, i, "outs", gathered, "'gathered'", op);
     int64_t capacity = 0;
     TORCH_CHECK(!c10::mul_overflows(padded_numels[i], world_size, &capacity), op,
                 ": world_size x padded_numels[", i, "] overflows int64");
@@ -189,10 +191,7 @@ AmaxPlan plan_quantize_amax(at::TensorList shards, const at::Tensor& out) {
               out.numel(), " elements, expected ", shards.size(), " (one per tensor of 'shards')");
   for (size_t i = 0; i < shards.size(); ++i) {
     const auto& s = shards[i];
-    const std::string name = item_name("shards", i);
-    check_device(s, out.device(), op, name, "'out'");
-    check_float_dtype(s, op, name);
-    check_contiguous(s, op, name);
+    const std::string name = check_float_item(shards, i, "shards", out, "'out'", op);
     QuantParam p{};
     p.data = const_cast<void*>(s.const_data_ptr());
     p.numel = s.numel();
