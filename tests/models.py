@@ -139,6 +139,25 @@ def init_transformer(args: ModelArgs, seed: int = 0, device="cpu") -> Transforme
         return Transformer(args)
 
 
+def build_sharded_transformer(impl, args: ModelArgs, device: str, mesh, mp: bool, reshard: bool, meta: bool) -> Transformer:
+    """A Transformer with every layer and the root sharded by `impl` (mp: bf16 params, fp32
+    reduce), built on `device`, or on the meta device then materialized there (seed 1)."""
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else device):
+        model = Transformer(args)
+    kw = dict(mesh=mesh, reshard_after_forward=reshard)
+    if mp:
+        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        impl.fully_shard(layer, **kw)
+    impl.fully_shard(model, **kw)
+    if meta:
+        model.to_empty(device=device)
+        torch.manual_seed(1)
+        model.reset_parameters()
+    return model
+
+
 def make_batches(args: ModelArgs, n_batches: int, global_bsz: int, seed: int = 1234):
     """Deterministic (inputs, targets) token batches of shape (global_bsz, seq)."""
     g = torch.Generator().manual_seed(seed)

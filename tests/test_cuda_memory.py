@@ -42,25 +42,6 @@ def _args():
     return ModelArgs(n_layers=4, dim=256, vocab_size=512, max_seq_len=64, n_heads=4)
 
 
-def _build(impl, mesh, mp: bool, reshard: bool, meta: bool):
-    from models import Transformer
-
-    torch.manual_seed(0)
-    with torch.device("meta" if meta else "cuda"):
-        model = Transformer(_args())
-    kw = dict(mesh=mesh, reshard_after_forward=reshard)
-    if mp:
-        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        impl.fully_shard(layer, **kw)
-    impl.fully_shard(model, **kw)
-    if meta:
-        model.to_empty(device="cuda")
-        torch.manual_seed(1)
-        model.reset_parameters()
-    return model
-
-
 def _clean() -> None:
     gc.collect()
     torch.cuda.synchronize()
@@ -70,11 +51,11 @@ def _clean() -> None:
 def _measure(impl, mesh, mp: bool, reshard: bool, meta: bool) -> dict:
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from models import lm_loss
+    from models import build_sharded_transformer, lm_loss
 
     _clean()
     start = torch.cuda.memory_allocated()
-    model = _build(impl, mesh, mp, reshard, meta)
+    model = build_sharded_transformer(impl, _args(), "cuda", mesh, mp, reshard, meta)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     args = _args()
     gen = torch.Generator().manual_seed(0)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dist_utils import load_impl, ref_impl, run_distributed, run_grid
-from models import ModelArgs, Transformer
+from models import ModelArgs, build_sharded_transformer
 
 SLACK = 256 << 10
 ARGS = ModelArgs(n_layers=4, dim=256, vocab_size=256, max_seq_len=32, n_heads=4)
@@ -69,27 +69,10 @@ def allocated() -> int:
     return info.uordblks + info.hblkhd
 
 
-def _build(impl, mesh, mp: bool, reshard: bool, meta: bool):
-    torch.manual_seed(0)
-    with torch.device("meta" if meta else "cpu"):
-        model = Transformer(ARGS)
-    kw = dict(mesh=mesh, reshard_after_forward=reshard)
-    if mp:
-        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        impl.fully_shard(layer, **kw)
-    impl.fully_shard(model, **kw)
-    if meta:
-        model.to_empty(device="cpu")
-        torch.manual_seed(1)
-        model.reset_parameters()
-    return model
-
-
 def _measure(impl, mesh, mp: bool, reshard: bool, meta: bool) -> dict:
     gc.collect()
     start = allocated()
-    model = _build(impl, mesh, mp, reshard, meta)
+    model = build_sharded_transformer(impl, ARGS, "cpu", mesh, mp, reshard, meta)
     _settle()
     after_init = allocated() - start
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
