@@ -62,6 +62,10 @@ class Codec:
         """Frees what copy_out allocated; returns the bytes freed."""
         return 0
 
+    def check_requires_grad(self, unit, i: int, requires_grad: bool) -> None:
+        """Raises if parameter `i` cannot take the requires_grad it was given after
+        fully_shard (the unit then makes its unsharded parameter follow it)."""
+
     def post_forward_shard(self, unit, first: int, count: int) -> torch.Tensor:
         """For an int reshard_after_forward, where ``rebuilds_post_forward``: ranks
         ``[first, first + count)``'s chunks of the all-gather, rebuilt from the unsharded
@@ -198,7 +202,7 @@ class ExtensionCodec(Codec):
         for i, local in enumerate(unit.shard_views):
             if layout.ext[i]:
                 unit.unsharded_params[i] = _extension.post_all_gather(
-                    local, self.states[i], layout.param_dtypes[i], unit.unsharded_params[i], layout.requires_grad[i]
+                    local, self.states[i], layout.param_dtypes[i], unit.unsharded_params[i], unit.sharded_params[i].requires_grad
                 )
         return allocated
 
@@ -330,6 +334,15 @@ class Nf4Codec(QuantCodec):
     @staticmethod
     def quantizes(layout: Layout, i: int, policy: QuantizedAllGather) -> bool:
         return QuantCodec.quantizes(layout, i, policy) and not layout.requires_grad[i]
+
+    def check_requires_grad(self, unit, i: int, requires_grad: bool) -> None:
+        if requires_grad and i in self.q:
+            mod, name = unit.owners[i][0]
+            raise ValueError(
+                f"fsdp_native: parameter '{name}' of {type(mod).__name__} (unit '{unit.fqn or 'root'}') was frozen at fully_shard "
+                "and is gathered in NF4 (all_gather=QuantizedAllGather('nf4')), which has no gradient path, but now "
+                "requires grad; freeze it again, or call fully_shard after setting requires_grad"
+            )
 
 
 def choose(

@@ -514,6 +514,12 @@ class Unit:
 
     def _to_unsharded(self) -> None:
         ups = self.unsharded_params
+        for i, (up, sp) in enumerate(zip(ups, self.sharded_params)):
+            if up.requires_grad != sp.requires_grad:
+                # As torch FSDP2: requires_grad set on a sharded parameter after fully_shard
+                # (freezing or unfreezing it) holds for the unsharded one from its next unshard.
+                self.codec.check_requires_grad(self, i, sp.requires_grad)
+                up.requires_grad_(sp.requires_grad)
         for (params, name), i in zip(self._slots, self._slot_index):
             params[name] = ups[i]
         self.is_unsharded = True

@@ -490,6 +490,28 @@ def _errors() -> None:
     )
 
 
+    # A parameter gathered in NF4 (frozen at fully_shard) made trainable afterwards: raised at
+    # the next unshard, on every rank, instead of training through the NF4 values.
+    m = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64))
+    m.requires_grad_(False)
+    fsdp_native.fully_shard(m[0], mesh=mesh, all_gather=fsdp_native.QuantizedAllGather("nf4"))
+    fsdp_native.fully_shard(m, mesh=mesh)
+    m(torch.randn(2, 64)).sum()
+    m[0].weight.requires_grad_(True)
+    expect(
+        ValueError,
+        "fsdp_native: parameter 'weight' of FSDPLinear (unit '0') was frozen at fully_shard and is gathered in NF4 "
+        "(all_gather=QuantizedAllGather('nf4')), which has no gradient path, but now requires grad; freeze it "
+        "again, or call fully_shard after setting requires_grad",
+        lambda: m(torch.randn(2, 64)),
+    )
+    m[0].weight.requires_grad_(False)
+    m[0].reshard()
+    m[1].weight.requires_grad_(True)  # unquantized parameters may change
+    m(torch.randn(2, 64)).sum().backward()
+    assert m[1].weight.grad is not None and m[0].weight.grad is None
+
+
 def test_quantized_all_gather_errors():
     run_distributed(_errors, 2)
 
