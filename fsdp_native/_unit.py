@@ -673,8 +673,22 @@ class Unit:
             self.ctx.reducer.finish(self.pending_rs)
 
     def take_reduced(self, out: torch.Tensor, has_grad: list[bool]) -> None:
-        """Turns this unit's reduce-scattered flat shard `out` into sharded gradients: HSDP
-        all-reduce, division, cast, accumulation."""
+        """Turns this unit's reduce-scattered flat shard `out` into sharded gradients (HSDP
+        all-reduce, division, cast, accumulation), then runs the sharded parameters'
+        post-accumulate-grad hooks, as torch FSDP2 does once it has written a sharded gradient
+        (optimizer in backward: ``p.register_post_accumulate_grad_hook``, torchtune's
+        ``optimizer_in_bwd``)."""
+        if not self._write_reduced(out, has_grad):
+            return
+        for sp, h in zip(self.sharded_params, has_grad):
+            hooks = getattr(sp, "_post_accumulate_grad_hooks", None) if h else None
+            if hooks:
+                for hook in list(hooks.values()):
+                    hook(sp)
+
+    def _write_reduced(self, out: torch.Tensor, has_grad: list[bool]) -> bool:
+        """The sharded gradients from `out`; False when none were written (HSDP without the
+        all-reduce: the partial sum is kept for the next backward)."""
         _, post, _, ar_op = self._divide_factors()
         pending, self._pending_grads = self._pending_grads, None
         direct = pending is not None and out is pending[0]
@@ -685,7 +699,7 @@ class Unit:
                 direct = False
             if not self.requires_all_reduce:
                 self.partial_reduce = out.clone() if direct else out
-                return
+                return False
             rec = _trace.active
             t0 = _trace.now_us() if rec is not None else 0.0
             # Waited like the other collectives, so a stalled replica is reported (_stall).
@@ -700,7 +714,7 @@ class Unit:
             for sp, g, h in zip(sps, pending[1], has_grad):
                 if h:
                     sp.grad = g
-            return
+            return True
         device = self.sharded_flat.device
         if out.device != device:
             out = out.to(device)
@@ -716,7 +730,7 @@ class Unit:
             for sp, g, h in zip(sps, grad_dtensors, has_grad):
                 if h:
                     sp.grad = g
-            return
+            return True
         targets = []
         for i, (sp, h) in enumerate(zip(sps, has_grad)):
             if not h:
@@ -729,6 +743,7 @@ class Unit:
             else:
                 targets.append(sp.grad._local_tensor)
         ops.reduce_scatter_copy_out(out, _with(self.layout.padded, has_grad), _with(targets, has_grad), divide_factor=factor, accumulate=True)
+        return True
 
 
 def _with(items: list, has_grad: list[bool]) -> list:

@@ -260,3 +260,76 @@ def _requires_grad_grid():
 
 def test_requires_grad_changed_after_fully_shard_matches_torch():
     run_distributed(_requires_grad_grid, 2)
+
+
+# --- optimizer in backward ---------------------------------------------------------------------
+#
+# torch FSDP2 runs a sharded parameter's post-accumulate-grad hooks once it has written the
+# parameter's sharded gradient, so an optimizer stepped from those hooks (torchtune's
+# optimizer_in_bwd) trains the model during the backward, with no optimizer.step() after it.
+
+
+def _train_optimizer_in_backward(impl, cfg: Cfg, mesh) -> dict:
+    from models import _data, lm_loss
+
+    model = build_fsdp(impl, cfg, mesh)
+    names = {p: n for n, p in model.named_parameters()}
+    opts = {p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.01) for p in model.parameters() if p.requires_grad}
+    calls = []
+
+    def step_in_backward(p) -> None:
+        calls.append((names[p], isinstance(p.grad, DTensor)))
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in opts:
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    batches = _data(cfg, ws)
+    lo, hi = rank * cfg.local_bsz, (rank + 1) * cfg.local_bsz
+    losses, calls_per_step = [], []
+    for step in range(cfg.steps):
+        for micro in range(cfg.accum):
+            if cfg.accum > 1:
+                model.set_requires_gradient_sync(micro == cfg.accum - 1)
+            x, y = batches[step * cfg.accum + micro]
+            loss = lm_loss(model(x[lo:hi]), y[lo:hi])
+            loss.backward()
+            losses.append(loss.detach().float().item())
+        calls_per_step.append(sorted(calls))
+        calls.clear()
+    return dict(losses=losses, calls=calls_per_step, params=full_params(model))
+
+
+def _check_optimizer_in_backward(**kw) -> None:
+    cfg = Cfg(**kw)
+    mesh = make_mesh(cfg)
+    b = _train_optimizer_in_backward(ref_impl(), cfg, mesh)
+    a = _train_optimizer_in_backward(load_impl(), cfg, mesh)
+    assert a["calls"] == b["calls"], f"hook calls per step (name, grad is a DTensor): {a['calls']} vs torch {b['calls']}"
+    n_trainable = len(b["calls"][0])
+    assert n_trainable > 0 and all(len(c) == n_trainable for c in b["calls"]), b["calls"]
+    exact = dict(rtol=0, atol=0)
+    assert_close("losses per step", a["losses"], b["losses"], exact)
+    for n in b["params"]:
+        assert_close(f"param {n!r}", a["params"][n], b["params"][n], exact)
+
+
+def _optimizer_in_backward_grid():
+    configs = grid(reshard=[True, False], mp=[None, "bf16"])
+    configs += [
+        dict(accum=2, model="odd", frozen=True),
+        dict(prefetch=True, tied=True, reshard=1),
+        dict(offload=True, mp="bf16"),
+    ]
+    if dist.get_world_size() == 4:
+        configs = [dict(mesh="hsdp"), dict(mesh="hsdp", accum=2, mp="bf16")]
+    run_grid(configs, _check_optimizer_in_backward, name="optimizer_in_backward")
+
+
+def test_optimizer_in_backward_matches_torch():
+    run_distributed(_optimizer_in_backward_grid, 2)
+
+
+def test_optimizer_in_backward_matches_torch_hsdp():
+    run_distributed(_optimizer_in_backward_grid, 4, timeout=300)
