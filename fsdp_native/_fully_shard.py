@@ -147,11 +147,22 @@ def fully_shard(
 
 
 def _pre_hook(unit, module, args, kwargs):
-    return pre_forward(unit, module, args, kwargs)
+    return _outside_inference_mode(pre_forward, unit, module, args, kwargs)
 
 
 def _post_hook(unit, module, args, output):
-    return post_forward(unit, module, args, output)
+    return _outside_inference_mode(post_forward, unit, module, args, output)
+
+
+def _outside_inference_mode(fn, *args):
+    """fn(*args), outside inference mode when a forward runs in it: the unsharded parameters
+    and buffers a unit makes then outlive that forward as normal tensors, so a training
+    forward can use them after an inference_mode one (torch FSDP2 raises there: "Inplace
+    update to inference tensor outside InferenceMode"). Grad mode stays off."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return fn(*args)
+    return fn(*args)
 
 
 @functools.cache
@@ -325,11 +336,11 @@ class FSDPModule(_TorchFSDPModule):
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this unit's parameters; with ``async_op`` returns a handle to wait on."""
         unit = self._unit
-        unit.issue_all_gather()
+        _outside_inference_mode(unit.issue_all_gather)
         handle = UnshardHandle([unit])
         if async_op:
             return handle
-        handle.wait()
+        _outside_inference_mode(handle.wait)
         return None
 
     def reshard(self) -> None:

@@ -207,7 +207,7 @@ _REQUIRES_GRAD_CHANGES = {
 
 
 def _train_with_changes(impl, cfg: Cfg, mesh, changes: dict) -> dict:
-    from models import _data, lm_loss
+    from models import _data, lm_loss, make_optim
 
     model = build_fsdp(impl, cfg, mesh)
     opt = torch.optim.AdamW(list(model.parameters()), lr=1e-2, weight_decay=0.01)
@@ -270,7 +270,7 @@ def test_requires_grad_changed_after_fully_shard_matches_torch():
 
 
 def _train_optimizer_in_backward(impl, cfg: Cfg, mesh) -> dict:
-    from models import _data, lm_loss
+    from models import _data, lm_loss, make_optim
 
     model = build_fsdp(impl, cfg, mesh)
     names = {p: n for n, p in model.named_parameters()}
@@ -333,3 +333,64 @@ def test_optimizer_in_backward_matches_torch():
 
 def test_optimizer_in_backward_matches_torch_hsdp():
     run_distributed(_optimizer_in_backward_grid, 4, timeout=300)
+
+
+# --- inference_mode between training steps -----------------------------------------------------
+#
+# An evaluation or rollout under torch.inference_mode() before or between training steps (RL
+# loops): torch FSDP2 runs the inference forward, but a training forward after it raises
+# ("Inplace update to inference tensor outside InferenceMode", torch 2.11 to 2.15), since the
+# unsharded parameters made in inference mode persist. fsdp_native makes them outside inference
+# mode, so training goes on with torch's numbers under torch.no_grad() for the same evaluations.
+
+
+def _train_with_evals(impl, cfg: Cfg, mesh, eval_mode) -> dict:
+    from models import _data, lm_loss, make_optim
+
+    model = build_fsdp(impl, cfg, mesh)
+    opt = make_optim(cfg, model.parameters())
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    batches = _data(cfg, ws)
+    lo, hi = rank * cfg.local_bsz, (rank + 1) * cfg.local_bsz
+    losses, evals = [], []
+    for step in range(cfg.steps):
+        x, y = batches[step]
+        with eval_mode():  # the first forward ever is this one
+            evals.append(model(x[lo:hi]).float().clone())
+        loss = lm_loss(model(x[lo:hi]), y[lo:hi])
+        loss.backward()
+        losses.append(loss.detach().float().item())
+        opt.step()
+        opt.zero_grad()
+    return dict(losses=losses, evals=evals, params=full_params(model))
+
+
+def _check_inference_mode_then_training(**kw) -> None:
+    cfg = Cfg(**kw)
+    mesh = make_mesh(cfg)
+    b = _train_with_evals(ref_impl(), cfg, mesh, torch.no_grad)
+    if load_impl().name == "torch":  # FSDP_TEST_IMPL=torch: what the comment above says of torch
+        try:
+            _train_with_evals(ref_impl(), cfg, mesh, torch.inference_mode)
+        except RuntimeError as e:
+            assert "inference tensor" in str(e).lower(), e
+            return
+        raise AssertionError("torch FSDP2 trained after an inference_mode forward; update the comment above")
+    a = _train_with_evals(load_impl(), cfg, mesh, torch.inference_mode)
+    assert all(e.is_inference() for e in a["evals"])
+    exact = dict(rtol=0, atol=0)
+    for step, (ea, eb) in enumerate(zip(a["evals"], b["evals"])):
+        assert_close(f"inference_mode logits before step {step}", ea.clone(), eb, exact)
+    assert_close("losses per step", a["losses"], b["losses"], exact)
+    for n in b["params"]:
+        assert_close(f"param {n!r}", a["params"][n], b["params"][n], exact)
+
+
+def _inference_mode_grid():
+    configs = grid(reshard=[True, False], mp=[None, "bf16"])
+    configs += [dict(reshard=1, prefetch=True, model="odd"), dict(offload=True, tied=True)]
+    run_grid(configs, _check_inference_mode_then_training, name="inference_mode")
+
+
+def test_inference_mode_then_training_matches_torch_no_grad():
+    run_distributed(_inference_mode_grid, 2)
