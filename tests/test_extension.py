@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_close, full, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, full, grid, load_impl, ref_impl, run_distributed, run_grid
 from models import mesh_of
 
 pytest.importorskip("torchao", reason="torchao is a test dependency (make test installs it)")
@@ -264,3 +264,68 @@ def test_nf4_qlora_torchtune_flow_world_size_2():
     """Meta-device model, fully_shard, the NF4 and plain weights loaded as sharded DTensors
     with assign=True, training, and the full state dict read by unsharding unit by unit."""
     run_distributed(_grid_torchtune, 2)
+
+
+# --- torchao's quantized-training weights (prototype.quantized_training) ----------------------
+#
+# INT8 weight-only training, INT8 mixed-precision training and BitNet: trainable tensor
+# subclasses whose fsdp_pre_all_gather returns two inner tensors (int8 data and scales, cast
+# to the policy's param_dtype) and whose fsdp_post_all_gather ignores `out=` and views the
+# gathered outputs; the optimizer updates the subclass in place (stochastic rounding for INT8).
+
+
+def _local_inner(p) -> dict:
+    t = p.to_local()
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return {name: getattr(t, name) for name in names}
+    return {"": t}
+
+
+def _train_ao(impl, recipe: str, mp: bool, reshard: bool) -> dict:
+    from torchao import quantize_
+    from torchao.prototype import quantized_training as qt
+
+    config = {"int8": qt.int8_weight_only_quantized_training, "int8_mixed": qt.int8_mixed_precision_training, "bitnet": qt.bitnet_training}[recipe]
+    mesh = mesh_of("1d")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+    for i in (0, 2):
+        quantize_(model[i], config())
+    kw = dict(mesh=mesh, reshard_after_forward=reshard)
+    if mp:
+        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for i in (0, 2, 4):
+        impl.fully_shard(model[i], **kw)
+    impl.fully_shard(model, **kw)
+    kinds = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    torch.manual_seed(100 + dist.get_rank())  # the INT8 weights' stochastic rounding draws from it
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(8, 32, generator=gen)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, kinds=kinds, params={n: _local_inner(p) for n, p in model.named_parameters()})
+
+
+def _check_ao(recipe: str, mp: bool, reshard: bool) -> None:
+    ref = _train_ao(ref_impl(), recipe, mp, reshard)
+    got = _train_ao(load_impl(), recipe, mp, reshard)
+    tag = f"[torchao {recipe} mp={mp} reshard={reshard}]"
+    assert got["kinds"] == ref["kinds"] and "Tensor" not in (ref["kinds"]["0.weight"], ref["kinds"]["2.weight"]), (got["kinds"], ref["kinds"])
+    assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
+    for n, inner in ref["params"].items():
+        for name, v in inner.items():
+            assert_close(f"{tag} {n} {name} (this rank's shard)", got["params"][n][name], v, EXACT)
+
+
+def _grid_ao():
+    run_grid(grid(recipe=["int8", "int8_mixed", "bitnet"], mp=[False, True], reshard=[True]) + [dict(recipe="int8", mp=True, reshard=False)], _check_ao, name="torchao-training")
+
+
+def test_torchao_quantized_training_parity_world_size_2():
+    run_distributed(_grid_ao, 2)
