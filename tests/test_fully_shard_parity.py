@@ -206,25 +206,32 @@ _REQUIRES_GRAD_CHANGES = {
 }
 
 
+def _run_step(model, cfg: Cfg, batches, step: int, losses: list) -> None:
+    """Forward and backward of one step's micro-batches on this rank's slice of the global
+    batch (gradient sync on the last one only); appends the losses."""
+    from models import lm_loss
+
+    lo, hi = dist.get_rank() * cfg.local_bsz, (dist.get_rank() + 1) * cfg.local_bsz
+    for micro in range(cfg.accum):
+        if cfg.accum > 1:
+            model.set_requires_gradient_sync(micro == cfg.accum - 1)
+        x, y = batches[step * cfg.accum + micro]
+        loss = lm_loss(model(x[lo:hi]), y[lo:hi])
+        loss.backward()
+        losses.append(loss.detach().float().item())
+
+
 def _train_with_changes(impl, cfg: Cfg, mesh, changes: dict) -> dict:
-    from models import _data, lm_loss, make_optim
+    from models import _data
 
     model = build_fsdp(impl, cfg, mesh)
     opt = torch.optim.AdamW(list(model.parameters()), lr=1e-2, weight_decay=0.01)
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    batches = _data(cfg, ws)
-    lo, hi = rank * cfg.local_bsz, (rank + 1) * cfg.local_bsz
+    batches = _data(cfg, dist.get_world_size())
     losses, grads = [], []
     for step in range(cfg.steps):
         if step in changes:
             changes[step](model)
-        for micro in range(cfg.accum):
-            if cfg.accum > 1:
-                model.set_requires_gradient_sync(micro == cfg.accum - 1)
-            x, y = batches[step * cfg.accum + micro]
-            loss = lm_loss(model(x[lo:hi]), y[lo:hi])
-            loss.backward()
-            losses.append(loss.detach().float().item())
+        _run_step(model, cfg, batches, step, losses)
         grads.append({n: None if p.grad is None else full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
@@ -270,7 +277,7 @@ def test_requires_grad_changed_after_fully_shard_matches_torch():
 
 
 def _train_optimizer_in_backward(impl, cfg: Cfg, mesh) -> dict:
-    from models import _data, lm_loss, make_optim
+    from models import _data
 
     model = build_fsdp(impl, cfg, mesh)
     names = {p: n for n, p in model.named_parameters()}
@@ -284,18 +291,10 @@ def _train_optimizer_in_backward(impl, cfg: Cfg, mesh) -> dict:
 
     for p in opts:
         p.register_post_accumulate_grad_hook(step_in_backward)
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    batches = _data(cfg, ws)
-    lo, hi = rank * cfg.local_bsz, (rank + 1) * cfg.local_bsz
+    batches = _data(cfg, dist.get_world_size())
     losses, calls_per_step = [], []
     for step in range(cfg.steps):
-        for micro in range(cfg.accum):
-            if cfg.accum > 1:
-                model.set_requires_gradient_sync(micro == cfg.accum - 1)
-            x, y = batches[step * cfg.accum + micro]
-            loss = lm_loss(model(x[lo:hi]), y[lo:hi])
-            loss.backward()
-            losses.append(loss.detach().float().item())
+        _run_step(model, cfg, batches, step, losses)
         calls_per_step.append(sorted(calls))
         calls.clear()
     return dict(losses=losses, calls=calls_per_step, params=full_params(model))
