@@ -100,7 +100,10 @@ def make_sharded(local: torch.Tensor, spec, requires_grad: bool = False) -> "Sha
 
 
 class ShardedDTensor(DTensor):
-    __slots__ = ()
+    # No __slots__ of its own (not even an empty one): code that copies a DTensor by walking
+    # ``type(x).__slots__`` must find DTensor's ``_local_tensor`` and ``_spec``. DCP's async
+    # staging (StateDictStager) does; with ``__slots__ = ()`` it found none and wrote
+    # uninitialized memory into async checkpoints. (Instances have a __dict__ either way.)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
