@@ -109,14 +109,17 @@ void add_segment(CopyPlan& plan, at::ScalarType src, at::ScalarType dst, const S
 const char* byte_ptr(const at::Tensor& t) { return static_cast<const char*>(t.const_data_ptr()); }
 char* mut_byte_ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
-// Between one rank's chunk `buffer` and a list of shards: shard i <-> its padded slot.
-// `into_buffer` (all_gather_copy_in): shards -> buffer, zero-filling each slot past its shard;
-// else (reduce_scatter_copy_out) buffer -> shards, in `plan.mode`.
-void add_rank_segments(CopyPlan& plan, const at::Tensor& buffer, at::IntArrayRef padded_numels,
-                       at::TensorList list, bool into_buffer, const char* op,
-                       const char* list_name) {
+// Segments between a flat buffer and a list of tensors, slot i of each rank's chunk <-> tensor
+// i's slice for that rank. `world_size` 0: `buffer` is one rank's chunk and the tensors are
+// its shards (all_gather_copy_in, reduce_scatter_copy_out); else it is every rank's chunk
+// ([world_size][chunk]) and the tensors are unsharded (reduce_scatter_copy_in,
+// all_gather_copy_out). `into_buffer`: tensors -> buffer, zero-filling each slot past the
+// tensor's end; else buffer -> tensors, the padding left out, in `plan.mode`.
+void add_segments(CopyPlan& plan, const at::Tensor& buffer, at::IntArrayRef padded_numels,
+                  int64_t world_size, int64_t chunk, at::TensorList list, bool into_buffer,
+                  const char* op, const char* list_name) {
   const auto dtype = buffer.scalar_type();
-  const int64_t es = buffer.element_size();
+  const int64_t buffer_es = buffer.element_size();
   const bool arithmetic = plan.mode != Mode::kCopy;
   int64_t offset = 0;
   for (size_t i = 0; i < list.size(); ++i) {
@@ -124,36 +127,10 @@ void add_rank_segments(CopyPlan& plan, const at::Tensor& buffer, at::IntArrayRef
     const std::string name = item_name(list_name, i);
     const auto src = into_buffer ? t.scalar_type() : dtype, dst = into_buffer ? dtype : t.scalar_type();
     check_item(t, plan.device, src, dst, arithmetic, op, name);
-    check_at_most(t, padded_numels[i], i, 0, op, name);
-    if (into_buffer) {
-      add_segment(plan, src, dst, Segment{byte_ptr(t), mut_byte_ptr(buffer) + offset * es, t.numel(),
-                                          padded_numels[i] - t.numel()});
-    } else {
-      add_segment(plan, src, dst, Segment{byte_ptr(buffer) + offset * es, mut_byte_ptr(t), t.numel(), 0});
-    }
-    offset += padded_numels[i];
-  }
-}
-
-// Between every rank's chunks `buffer` ([world_size][chunk]) and a list of unsharded tensors:
-// rank r's slice of tensor i <-> its padded slot in chunk r. `into_buffer`
-// (reduce_scatter_copy_in): tensors -> buffer, zero-filling each slot past the tensor's end;
-// else (all_gather_copy_out) buffer -> tensors, the padding left out.
-void add_world_segments(CopyPlan& plan, const at::Tensor& buffer, at::IntArrayRef padded_numels,
-                        int64_t world_size, int64_t chunk, at::TensorList list, bool into_buffer,
-                        const char* op, const char* list_name) {
-  const auto dtype = buffer.scalar_type();
-  const int64_t buffer_es = buffer.element_size();
-  int64_t offset = 0;
-  for (size_t i = 0; i < list.size(); ++i) {
-    const auto& t = list[i];
-    const std::string name = item_name(list_name, i);
-    const auto src = into_buffer ? t.scalar_type() : dtype, dst = into_buffer ? dtype : t.scalar_type();
-    check_item(t, plan.device, src, dst, false, op, name);
     check_at_most(t, padded_numels[i], i, world_size, op, name);
     const int64_t padded = padded_numels[i];
     const int64_t es = t.element_size();
-    for (int64_t r = 0; r < world_size; ++r) {
+    for (int64_t r = 0; r < std::max<int64_t>(world_size, 1); ++r) {
       const int64_t valid = shard_valid_numel(t.numel(), padded, r);
       const int64_t slot = (r * chunk + offset) * buffer_es;
       if (into_buffer) {
@@ -182,7 +159,7 @@ CopyPlan plan_all_gather_copy_in(at::TensorList shards, at::IntArrayRef padded_n
   check_rank_buffer(out, padded_numels, op, "out");
   CopyPlan plan;
   plan.device = out.device();
-  add_rank_segments(plan, out, padded_numels, shards, true, op, "shards");
+  add_segments(plan, out, padded_numels, 0, 0, shards, true, op, "shards");
   return plan;
 }
 
@@ -196,8 +173,7 @@ CopyPlan plan_all_gather_copy_out(const at::Tensor& all_gather_output,
       check_world_buffer(all_gather_output, padded_numels, world_size, op, "all_gather_output");
   CopyPlan plan;
   plan.device = all_gather_output.device();
-  add_world_segments(plan, all_gather_output, padded_numels, world_size, chunk, outs, false, op,
-                     "outs");
+  add_segments(plan, all_gather_output, padded_numels, world_size, chunk, outs, false, op, "outs");
   return plan;
 }
 
@@ -209,7 +185,7 @@ CopyPlan plan_reduce_scatter_copy_in(at::TensorList grads, at::IntArrayRef padde
   const int64_t chunk = check_world_buffer(out, padded_numels, world_size, op, "out");
   CopyPlan plan;
   plan.device = out.device();
-  add_world_segments(plan, out, padded_numels, world_size, chunk, grads, true, op, "grads");
+  add_segments(plan, out, padded_numels, world_size, chunk, grads, true, op, "grads");
   return plan;
 }
 
@@ -225,7 +201,7 @@ CopyPlan plan_reduce_scatter_copy_out(const at::Tensor& shard, at::IntArrayRef p
   plan.device = shard.device();
   plan.scale = 1.0 / divide_factor;
   plan.mode = accumulate ? Mode::kAccumulate : (divide_factor != 1.0 ? Mode::kScale : Mode::kCopy);
-  add_rank_segments(plan, shard, padded_numels, grads, false, op, "grads");
+  add_segments(plan, shard, padded_numels, 0, 0, grads, false, op, "grads");
   return plan;
 }
 
