@@ -56,10 +56,12 @@ class Layout:
         needs_cast: whether the plain all-gather casts the shards.
     """
 
-    def __init__(self, params: list[nn.Parameter], world_size: int, rank: int, param_dtype: "torch.dtype | None | list") -> None:
+    def __init__(
+        self, params: list[nn.Parameter], world_size: int, rank: int, param_dtype: "torch.dtype | None | list", ext: list[bool] | None = None
+    ) -> None:
         ws = world_size
         self.world_size, self.rank = ws, rank
-        self.ext = [_extension.has_extension(p) for p in params]
+        self.ext = [_extension.has_extension(p) for p in params] if ext is None else list(ext)
         self.has_ext = any(self.ext)
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_native import _codec, _comm, _compat, _extension, _trace, ops
-from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedAllGather
+from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedAllGather, resolve_param_dtypes
 from fsdp_native._dtensor import ShardedDTensor, make_sharded
 from fsdp_native._layout import Layout, itemsize_order
 from fsdp_native._mesh import MeshInfo
@@ -110,6 +110,13 @@ class Unit:
 
         ws, rank = info.shard_size, info.shard_rank
         self.world_size, self.rank = ws, rank
+        self.device = info.device
+        self.streams = streams_for(info.device)  # replaced by the root's shared streams at lazy init
+        self.shard_device = torch.device("cpu") if offload is not None else info.device
+        # Offloaded shards in pinned memory when the policy asks (as torch FSDP2), so their
+        # copies to the GPU are asynchronous.
+        self._pin = offload is not None and offload.pin_memory and info.device.type == "cuda"
+        self.all_gather = all_gather
         if param_dtypes is None:
             param_dtypes = [mp.param_dtype] * len(params)
         order = itemsize_order(params, param_dtypes)
@@ -117,36 +124,7 @@ class Unit:
             params, owners = [params[i] for i in order], [owners[i] for i in order]
             param_dtypes = [param_dtypes[i] for i in order]
             self.owners = owners
-        self.layout = layout = Layout(params, ws, rank, param_dtypes)
-        if layout.has_ext:
-            _codec.check_extension_params(params, owners, layout.ext, ws, post_forward)
-        # The reduce dtype the policy fixes (None: that of the gradients, checked when they are
-        # reduced). reduce_dtype=None follows the installed torch (_compat.REDUCE_IN_ORIG_DTYPE).
-        self.policy_reduce_dtype = mp.reduce_dtype
-        if mp.reduce_dtype is None and (_compat.REDUCE_IN_ORIG_DTYPE or mp.param_dtype_override_fn is not None):
-            trainable = {d for d, rg in zip(layout.orig_dtypes, layout.requires_grad) if rg}
-            if len(trainable) == 1:
-                self.policy_reduce_dtype = trainable.pop()
-        # One gradient dtype per unit, as torch FSDP2 requires: the reduce dtype, else that of
-        # the unsharded parameters with gradients (checked when they are reduced).
-        grad_dtypes = {d for d, rg in zip(layout.param_dtypes, layout.requires_grad) if rg}
-        self.reduce_dtype = self.policy_reduce_dtype or (
-            grad_dtypes.pop() if len(grad_dtypes) == 1 else layout.param_dtypes[0] if params else torch.float32
-        )
-        self.device = info.device
-        self.streams = streams_for(info.device)  # replaced by the root's shared streams at lazy init
-        self.shard_device = torch.device("cpu") if offload is not None else info.device
-        # Offloaded shards in pinned memory when the policy asks (as torch FSDP2), so their
-        # copies to the GPU are asynchronous.
-        self._pin = offload is not None and offload.pin_memory and info.device.type == "cuda"
-        self.codec = _codec.choose(
-            layout,
-            all_gather,
-            post_forward=post_forward is not None,
-            staged=self.shard_device != self.device,
-            device=self.device,
-            names=[f"parameter '{name}' of {type(mod).__name__}" for (mod, name), *_ in owners],
-        )
+        self._configure(params, param_dtypes)
         self._shard(params)
         # Views and per-parameter registration slots, built once.
         self._slots = [(mod._parameters, name) for owner in owners for (mod, name) in owner]
@@ -167,6 +145,36 @@ class Unit:
         self._pending_grads: tuple[torch.Tensor, list[DTensor]] | None = None
 
     # ----------------------------------------------------------------- sharding
+    def _configure(self, params: list, param_dtypes: list, ext: list[bool] | None = None) -> None:
+        """What the parameters' dtypes fix: the layout, the reduce dtype and the codec (at
+        ``fully_shard``, and again when a conversion changed the dtypes: :meth:`_relayout`,
+        which passes `ext`, the subclass parameters, checked at ``fully_shard``)."""
+        owners, mp, post_forward = self.owners, self.mp, self.post_forward
+        self.layout = layout = Layout(params, self.world_size, self.rank, param_dtypes, ext)
+        if layout.has_ext and ext is None:
+            _codec.check_extension_params(params, owners, layout.ext, self.world_size, post_forward)
+        # The reduce dtype the policy fixes (None: that of the gradients, checked when they are
+        # reduced). reduce_dtype=None follows the installed torch (_compat.REDUCE_IN_ORIG_DTYPE).
+        self.policy_reduce_dtype = mp.reduce_dtype
+        if mp.reduce_dtype is None and (_compat.REDUCE_IN_ORIG_DTYPE or mp.param_dtype_override_fn is not None):
+            trainable = {d for d, rg in zip(layout.orig_dtypes, layout.requires_grad) if rg}
+            if len(trainable) == 1:
+                self.policy_reduce_dtype = trainable.pop()
+        # One gradient dtype per unit, as torch FSDP2 requires: the reduce dtype, else that of
+        # the unsharded parameters with gradients (checked when they are reduced).
+        grad_dtypes = {d for d, rg in zip(layout.param_dtypes, layout.requires_grad) if rg}
+        self.reduce_dtype = self.policy_reduce_dtype or (
+            grad_dtypes.pop() if len(grad_dtypes) == 1 else layout.param_dtypes[0] if params else torch.float32
+        )
+        self.codec = _codec.choose(
+            layout,
+            self.all_gather,
+            post_forward=post_forward is not None,
+            staged=self.shard_device != self.device,
+            device=self.device,
+            names=[f"parameter '{name}' of {type(mod).__name__}" for (mod, name), *_ in owners],
+        )
+
     def _shard(self, params: list[nn.Parameter]) -> None:
         device = params[0].device if params and params[0].is_meta else self.shard_device
         layout = self.layout
@@ -295,6 +303,11 @@ class Unit:
         layout = self.layout
         for i, p in enumerate(params):
             self._check_replacement(i, p)
+        ext = [_extension.has_extension(p._local_tensor) for p in params]
+        if ext != layout.ext or [p.dtype for p in params] != layout.orig_dtypes:
+            params = self._relayout(params, ext)
+            layout = self.layout
+            ours = [False] * len(params)
         locals_ = [p._local_tensor for p in params]
         # After apply_to_flat only subclass shards changed: the flat buffer stays.
         repack = not all(o for o, e in zip(ours, layout.ext) if not e)
@@ -337,22 +350,60 @@ class Unit:
 
     def _check_replacement(self, i: int, p) -> None:
         """A tensor registered in place of sharded parameter `i` must be a DTensor with the
-        same global shape, dtype and placements, else re-packing it would corrupt the unit."""
+        same global shape and placements, else re-packing it would corrupt the unit. Its dtype
+        may differ (a conversion: :meth:`_relayout`) if it stays a floating-point one."""
         mod, name = self.owners[i][0]
         where = f"parameter '{name}' of {type(mod).__name__} (unit '{self.fqn}')"
         ref = self.sharded_params[i]
+        shape = self.layout.shapes[i]
         if not isinstance(p, DTensor):
             raise ValueError(
                 f"fsdp_native: {where} was replaced by a {type(p).__name__} of shape {tuple(p.shape)}, expected a "
-                f"DTensor of shape {tuple(ref.shape)} with placements {ref.placements} (load a sharded state dict, "
+                f"DTensor of shape {tuple(shape)} with placements {ref.placements} (load a sharded state dict, "
                 "e.g. from get_model_state_dict, or load without assign=True)"
             )
-        if p.shape != ref.shape or p.dtype != ref.dtype or tuple(p.placements) != tuple(ref.placements) or p.device_mesh != ref.device_mesh:
+        if p.shape != shape or tuple(p.placements) != tuple(ref.placements) or p.device_mesh != ref.device_mesh:
             raise ValueError(
-                f"fsdp_native: {where} was replaced by a DTensor of shape {tuple(p.shape)}, dtype {p.dtype}, placements "
-                f"{p.placements}, expected shape {tuple(ref.shape)}, dtype {ref.dtype}, placements {ref.placements} "
-                "on the unit's mesh"
+                f"fsdp_native: {where} was replaced by a DTensor of shape {tuple(p.shape)}, placements "
+                f"{p.placements}, expected shape {tuple(shape)}, placements {ref.placements} on the unit's mesh"
             )
+        if p.dtype != self.layout.orig_dtypes[i] and not p.dtype.is_floating_point:
+            raise ValueError(
+                f"fsdp_native: {where} became a DTensor of dtype {p.dtype}, expected a floating-point dtype "
+                f"(it was {self.layout.orig_dtypes[i]})"
+            )
+
+    def _relayout(self, params: list, ext: list[bool]) -> list:
+        """The parameters' dtypes changed after ``fully_shard`` (``module.to(dtype)``,
+        ``.half()``, ``.float()``, or ``load_state_dict(assign=True)`` of other dtypes), or a
+        tensor-subclass parameter became a plain one (torchao's NF4 weights dequantize on
+        ``.to(dtype)``), which torch FSDP2 allows before its lazy init: the unit is laid out
+        again as ``fully_shard`` would lay out such parameters (`ext`: which ones are still
+        subclasses), and the mixed precision policy resolved again (``param_dtype`` still
+        applies; without it they compute in their new dtype). The caller re-packs the shards.
+        Returns the parameters in the new unit order."""
+        accumulating = self.partial_reduce is not None or any(a is not None for a in self._accumulated or ())
+        if self.is_unsharded or self.pending_ag is not None or self.pending_rs is not None or accumulating:
+            raise RuntimeError(
+                f"fsdp_native: the dtype of parameters of unit '{self.fqn or 'root'}' changed while the unit was unsharded "
+                "or had gradients being reduced or accumulated; change dtypes between optimizer steps"
+            )
+        # What the layout reads of a parameter (global shape, dtype, requires_grad), without its data.
+        specs = [torch.empty(p.shape, dtype=p.dtype, device="meta").requires_grad_(p.requires_grad) for p in params]
+        names = [name for (_, name), *_ in self.owners]
+        requested = resolve_param_dtypes(self.mp, params, names)
+        order = itemsize_order(specs, requested)
+        if order is not None and order != list(range(len(params))):
+            params, specs, ext = [params[i] for i in order], [specs[i] for i in order], [ext[i] for i in order]
+            requested = [requested[i] for i in order]
+            self.owners = owners = [self.owners[i] for i in order]
+            self._slots = [(mod._parameters, name) for owner in owners for (mod, name) in owner]
+            self._slot_index = [i for i, owner in enumerate(owners) for _ in owner]
+        self._configure(specs, requested, ext)
+        self.unsharded_flat, self.unsharded_params = None, []
+        self._accumulated = self._pending_grads = None
+        self._pf_shard = self._pf_keep = None
+        return params
 
     def check_registered(self) -> None:
         """Cheap per-step check that nobody swapped the sharded parameters behind our back."""

@@ -261,6 +261,7 @@ class Cfg:
     local_bsz: int = 2
     n_layers: int | None = None  # default: the base model's
     head_group: bool = False  # fully_shard([norm, output]): one unit of two modules (Accelerate's)
+    dtype: torch.dtype | None = None  # the model converted to it before fully_shard (None: fp32)
 
     @property
     def model_args(self):
@@ -301,6 +302,8 @@ def build_fsdp(impl, cfg: Cfg, mesh, seed: int = 0) -> Transformer:
         model = Transformer(args)
     if cfg.frozen:
         freeze_some(model)
+    if cfg.dtype is not None:
+        model.to(cfg.dtype)
     kw = dict(mesh=mesh, reshard_after_forward=cfg.reshard)
     root_kw = dict(kw)
     if cfg.mp is not None:

@@ -143,6 +143,42 @@ def test_nf4_qlora_parity_hsdp_2x2():
     run_distributed(_grid_hsdp, 4, timeout=360)
 
 
+def _train_upcast(impl) -> dict:
+    """A bf16 model with an NF4 weight, sharded, then model.to(torch.float32) before the first
+    forward (Accelerate's upcast): torchao's NF4 tensor dequantizes into a plain fp32 one, and
+    torch FSDP2 then gathers it as a plain parameter; so must fsdp_native."""
+    mesh = mesh_of("1d")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, 1)).to(torch.bfloat16)
+    model[1].weight = nn.Parameter(to_nf4(model[1].weight.detach(), 32, 32), requires_grad=False)
+    impl.fully_shard(model[1], mesh=mesh)
+    impl.fully_shard(model, mesh=mesh)
+    model.to(torch.float32)
+    local = model[1].weight.to_local()
+    assert type(local) is torch.Tensor and local.dtype == torch.float32, f"{impl.name}: {type(local).__name__} {local.dtype}"
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(4, DIM, generator=gen)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, params={n: full(p) for n, p in model.named_parameters()})
+
+
+def _check_upcast() -> None:
+    ref, got = _train_upcast(ref_impl()), _train_upcast(load_impl())
+    assert_close("losses after the upcast", got["losses"], ref["losses"], EXACT)
+    for n, v in ref["params"].items():
+        assert_close(f"param {n!r} after the upcast", got["params"][n], v, EXACT)
+
+
+def test_nf4_weight_upcast_after_fully_shard_matches_torch():
+    run_distributed(_check_upcast, 2)
+
+
 def _errors() -> None:
     import fsdp_native
 

@@ -393,3 +393,127 @@ def _inference_mode_grid():
 
 def test_inference_mode_then_training_matches_torch_no_grad():
     run_distributed(_inference_mode_grid, 2)
+
+
+# --- dtype conversions after fully_shard -------------------------------------------------------
+#
+# torch FSDP2 takes a sharded model's dtype as it finds it at its lazy init, so module.to(dtype),
+# .half() or .float() after fully_shard and before the first forward hold: Accelerate before
+# 1.11 upcast a bf16 model sharded with a bf16 mixed precision policy by model.to(torch.float32)
+# right after its fully_shard calls. fsdp_native lays a unit out again when its parameters'
+# dtypes change, before the first forward or between steps (where torch FSDP2 raises).
+
+_CONVERSIONS = {
+    "to_bf16": lambda m: m.to(torch.bfloat16),
+    "half_then_float": lambda m: (m.half(), m.float()),
+    "upcast": lambda m: m.to(torch.float32),  # of a model sharded in bf16 (Cfg.dtype)
+    # One module of each block unit: mixed dtypes in a unit (torch FSDP2 raises, it wants one
+    # original dtype per unit with mixed precision; fsdp_native shards such units).
+    "one_module": lambda m: [layer.attention.wq.to(torch.bfloat16) for layer in m.layers],
+}
+
+
+def _train_converted(impl, cfg: Cfg, mesh, conversion: str, at: int, rebuild: bool = False) -> dict:
+    """Trains `cfg.steps` steps with the conversion before step `at` and a fresh optimizer from
+    there (the old one's states keep the old dtypes). `rebuild`: instead of converting the model,
+    a new one is sharded, converted before its first forward and given the old one's values."""
+    from models import _data, make_optim
+
+    model = build_fsdp(impl, cfg, mesh)
+    batches = _data(cfg, dist.get_world_size())
+    losses, opt = [], None
+    for step in range(cfg.steps):
+        if step == at:
+            if rebuild:
+                old, model = model, build_fsdp(impl, cfg, mesh)
+                _CONVERSIONS[conversion](model)
+                with torch.no_grad():
+                    for p, q in zip(model.parameters(), old.parameters()):
+                        p.copy_(q)
+            else:
+                _CONVERSIONS[conversion](model)
+            opt = None
+        if opt is None:
+            opt = make_optim(cfg, model.parameters())
+        _run_step(model, cfg, batches, step, losses)
+        opt.step()
+        opt.zero_grad()
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    return dict(losses=losses, params=full_params(model), dtypes=dtypes)
+
+
+def _check_conversion(conversion: str, at: int = 0, **kw) -> None:
+    cfg = Cfg(steps=3, dtype=torch.bfloat16 if conversion == "upcast" else None, **kw)
+    mesh = make_mesh(cfg)
+    if conversion == "one_module":
+        # Against the same module converted before fully_shard (Cfg.dtype converts all).
+        b = _train_converted(load_impl(), cfg, mesh, conversion, at, rebuild=True)
+    else:
+        # torch FSDP2 converts before its lazy init only: later, a rebuilt model stands in.
+        b = _train_converted(ref_impl(), cfg, mesh, conversion, at, rebuild=at > 0)
+    if at > 0 and load_impl().name == "torch":  # FSDP_TEST_IMPL=torch: what the comment above says of torch
+        try:
+            _train_converted(load_impl(), cfg, mesh, conversion, at)
+        except RuntimeError as e:
+            assert "Expected out tensor to have dtype" in str(e), e
+            return
+        raise AssertionError("torch FSDP2 trained after a dtype conversion between steps; update the comment above")
+    a = _train_converted(load_impl(), cfg, mesh, conversion, at)
+    assert a["dtypes"] == b["dtypes"], f"dtypes after the conversion: {a['dtypes']} vs {b['dtypes']}"
+    assert len(set(a["dtypes"].values())) == (2 if conversion == "one_module" else 1), a["dtypes"]
+    exact = dict(rtol=0, atol=0)
+    assert_close("losses per step", a["losses"], b["losses"], exact)
+    for n in b["params"]:
+        assert_close(f"param {n!r}", a["params"][n], b["params"][n], exact)
+
+
+def _conversion_errors() -> None:
+    import pytest
+
+    if load_impl().name != "fsdp_native":
+        return
+    cfg = Cfg(mp="bf16", accum=2)
+    # Gradients accumulated in fp32 over a micro-batch without sync, then a conversion.
+    model = build_fsdp(load_impl(), cfg, make_mesh(cfg))
+    from models import _data
+
+    x, y = _data(cfg, dist.get_world_size())[0]
+    model.set_requires_gradient_sync(False)
+    model(x[: cfg.local_bsz]).float().sum().backward()
+    with pytest.raises(RuntimeError) as info:
+        model.to(torch.float64)
+    assert str(info.value) == (
+        "fsdp_native: the dtype of parameters of unit 'layers.0' changed while the unit was unsharded or had gradients "
+        "being reduced or accumulated; change dtypes between optimizer steps"
+    ), str(info.value)
+    # A DTensor of an integer dtype loaded in place of a (frozen) parameter.
+    model = build_fsdp(load_impl(), Cfg(), make_mesh(cfg))
+    model.norm.weight.requires_grad_(False)
+    sd = {k: v.to(torch.int32) if k == "norm.weight" else v for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        model.load_state_dict(sd, assign=True)
+    assert str(info.value) == (
+        "fsdp_native: parameter 'weight' of LayerNorm (unit '') became a DTensor of dtype torch.int32, expected a "
+        "floating-point dtype (it was torch.float32)"
+    ), str(info.value)
+
+
+def _conversion_grid():
+    configs = grid(conversion=["to_bf16", "half_then_float"], mp=[None, "bf16"])
+    configs += [
+        dict(conversion="upcast", mp="bf16"),
+        dict(conversion="upcast", mp="bf16", reshard=False, prefetch=True, at=1),
+        dict(conversion="to_bf16", at=1, model="odd", accum=2),
+        dict(conversion="to_bf16", meta=True, tied=True, reshard=1),
+        dict(conversion="half_then_float", offload=True, nested=True),
+        dict(conversion="one_module", mp="bf16"),
+        dict(conversion="one_module", mp="bf16", at=2, frozen=True),
+    ]
+    if load_impl().name != "fsdp_native":  # torch FSDP2 cannot run "one_module"
+        configs = [c for c in configs if c["conversion"] != "one_module"]
+    run_grid(configs, _check_conversion, name="conversion")
+    _conversion_errors()
+
+
+def test_dtype_conversion_after_fully_shard_matches_torch():
+    run_distributed(_conversion_grid, 2)

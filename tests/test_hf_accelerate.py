@@ -39,6 +39,7 @@ def accelerate_run(
     hsdp=False,
     all_gather=None,
     on_prepared=None,
+    model_dtype=None,
 ):
     """Train ``steps`` optimizer steps (from step ``start``); returns (losses, full params).
     ``on_prepared(model, batch)`` runs right after ``Accelerator.prepare``."""
@@ -73,6 +74,8 @@ def accelerate_run(
         assert acc.is_fsdp2 and acc.device.type == "cpu", (acc.distributed_type, acc.device)
         # With cpu_ram_efficient_loading only rank 0's weights count: the others start different.
         model = tiny_llama(seed=rank if cpu_ram else 0)
+        if model_dtype is not None:  # loaded in bf16 (torch_dtype=torch.bfloat16): Accelerate upcasts it
+            model.to(getattr(torch, model_dtype))
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         model, opt = acc.prepare(model, opt)
         check_impl(model, impl)
@@ -125,6 +128,7 @@ def _train_grid():
         dict(mp="no"),
         dict(mp="bf16"),
         dict(mp="bf16", ga=2),
+        dict(mp="bf16", model_dtype="bfloat16"),
         dict(mp="no", ac=True),
         dict(mp="no", cpu_ram=True),
         dict(mp="fp8"),
