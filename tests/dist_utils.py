@@ -719,3 +719,13 @@ def assert_close(what: str, a, b, tol: dict) -> None:
             f"(tol {tol}); A={a.flatten()[:4].tolist()} other={b.flatten()[:4].tolist()}"
         )
 
+
+
+def raises_exactly(exc_type: type, message: str, fn: Callable[[], object]) -> BaseException:
+    """Runs ``fn``, which must raise ``exc_type`` with exactly ``message``; returns the error."""
+    try:
+        fn()
+    except exc_type as e:
+        assert str(e) == message, f"{exc_type.__name__} message:\n  got      {str(e)!r}\n  expected {message!r}"
+        return e
+    raise AssertionError(f"expected {exc_type.__name__}: {message!r}; nothing was raised")

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_close, full, grid, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, full, grid, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 from models import mesh_of
 
 pytest.importorskip("torchao", reason="torchao is a test dependency (make test installs it)")
@@ -185,12 +185,12 @@ def _errors() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     lin = nn.Module()
     lin.weight = nn.Parameter(to_nf4(torch.randn(6, 64, dtype=torch.bfloat16), 32, 4), requires_grad=False)
-    with pytest.raises(ValueError) as info:
-        fsdp_native.fully_shard(lin, mesh=mesh)
-    assert str(info.value) == (
+    raises_exactly(
+        ValueError,
         "fully_shard: parameter 'weight' of Module (NF4Tensor) has shape (6, 64); a tensor-subclass parameter with "
-        "fsdp_pre_all_gather needs dim 0 divisible by the shard world size 4"
-    ), str(info.value)
+        "fsdp_pre_all_gather needs dim 0 divisible by the shard world size 4",
+        lambda: fsdp_native.fully_shard(lin, mesh=mesh),
+    )
 
     # A subclass whose fsdp_post_all_gather returns something else than (tensor, tensors to
     # free): a TypeError at the first unshard, on every rank (the subclass is the same on all).
@@ -205,13 +205,13 @@ def _errors() -> None:
 
     NF4Tensor.fsdp_post_all_gather = bad_post
     try:
-        with pytest.raises(TypeError) as info:
-            mod(torch.randn(2, DIM))
+        raises_exactly(
+            TypeError,
+            "fsdp_native: NF4Tensor.fsdp_post_all_gather returned Tensor, expected (unsharded tensor, tensors to free)",
+            lambda: mod(torch.randn(2, DIM)),
+        )
     finally:
         NF4Tensor.fsdp_post_all_gather = original
-    assert str(info.value) == (
-        "fsdp_native: NF4Tensor.fsdp_post_all_gather returned Tensor, expected (unsharded tensor, tensors to free)"
-    ), str(info.value)
 
 
 def test_extension_errors():

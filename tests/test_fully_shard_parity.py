@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dist_utils import assert_close, full, full_params, grid, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, full, full_params, grid, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 from models import Cfg, Transformer, build_fsdp, freeze_some, make_mesh, train_fsdp, train_reference
 
 # A (impl under test) vs B (torch FSDP2), fp32.
@@ -468,8 +468,6 @@ def _check_conversion(conversion: str, at: int = 0, **kw) -> None:
 
 
 def _conversion_errors() -> None:
-    import pytest
-
     if load_impl().name != "fsdp_native":
         return
     cfg = Cfg(mp="bf16", accum=2)
@@ -480,22 +478,22 @@ def _conversion_errors() -> None:
     x, y = _data(cfg, dist.get_world_size())[0]
     model.set_requires_gradient_sync(False)
     model(x[: cfg.local_bsz]).float().sum().backward()
-    with pytest.raises(RuntimeError) as info:
-        model.to(torch.float64)
-    assert str(info.value) == (
+    raises_exactly(
+        RuntimeError,
         "fsdp_native: the dtype of parameters of unit 'layers.0' changed while the unit was unsharded or had gradients "
-        "being reduced or accumulated; change dtypes between optimizer steps"
-    ), str(info.value)
+        "being reduced or accumulated; change dtypes between optimizer steps",
+        lambda: model.to(torch.float64),
+    )
     # A DTensor of an integer dtype loaded in place of a (frozen) parameter.
     model = build_fsdp(load_impl(), Cfg(), make_mesh(cfg))
     model.norm.weight.requires_grad_(False)
     sd = {k: v.to(torch.int32) if k == "norm.weight" else v for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError) as info:
-        model.load_state_dict(sd, assign=True)
-    assert str(info.value) == (
+    raises_exactly(
+        ValueError,
         "fsdp_native: parameter 'weight' of LayerNorm (unit '') became a DTensor of dtype torch.int32, expected a "
-        "floating-point dtype (it was torch.float32)"
-    ), str(info.value)
+        "floating-point dtype (it was torch.float32)",
+        lambda: model.load_state_dict(sd, assign=True),
+    )
 
 
 def _conversion_grid():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_close, full_params, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 from models import BlockStack
 
 EXACT = dict(rtol=0, atol=0)
@@ -134,12 +134,12 @@ def _mixed_grads() -> None:
     model = Model(dim=8, n=1, trainable_base=True)
     impl.fully_shard(model.blocks[0], mesh=mesh)
     impl.fully_shard(model, mesh=mesh)
-    with pytest.raises(ValueError) as info:
-        model(torch.randn(3, 4)).sum().backward()
-    assert str(info.value) == (
+    raises_exactly(
+        ValueError,
         "fsdp_native: unit 'blocks.0' has gradients of dtypes ['torch.bfloat16', 'torch.float32'], expected one dtype "
-        "per unit (as torch FSDP2); set mp_policy.param_dtype (one unsharded dtype) or mp_policy.reduce_dtype"
-    ), str(info.value)
+        "per unit (as torch FSDP2); set mp_policy.param_dtype (one unsharded dtype) or mp_policy.reduce_dtype",
+        lambda: model(torch.randn(3, 4)).sum().backward(),
+    )
 
 
 def test_mixed_gradient_dtypes_raise():

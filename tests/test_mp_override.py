@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_close, full_params, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 from models import BlockStack
 
 EXACT = dict(rtol=0, atol=0)
@@ -228,9 +228,8 @@ def _bad_overrides() -> None:
     ]
     for fn, exc, msg in cases:
         block = Block(4)
-        with pytest.raises(exc) as info:
-            fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=fn))
-        assert str(info.value) == msg, str(info.value)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=fn)
+        raises_exactly(exc, msg, lambda: fully_shard(block, mesh=mesh, mp_policy=mp))
         assert not hasattr(block, "_fsdp_native_unit")
 
 
@@ -255,11 +254,11 @@ def test_override_kept_and_must_be_callable():
     assert normalize_mp_policy(Newer()).param_dtype_override_fn is None
     fn = _keep_fp32  # kept, not dropped (which would cast every parameter to param_dtype)
     assert normalize_mp_policy(Newer(param_dtype_override_fn=fn)).param_dtype_override_fn is fn
-    with pytest.raises(TypeError) as info:
-        normalize_mp_policy(Newer(param_dtype_override_fn=torch.float32))
-    assert str(info.value) == (
-        "fully_shard: argument 'mp_policy.param_dtype_override_fn' is a dtype, expected a callable taking a parameter, or None"
-    ), str(info.value)
+    raises_exactly(
+        TypeError,
+        "fully_shard: argument 'mp_policy.param_dtype_override_fn' is a dtype, expected a callable taking a parameter, or None",
+        lambda: normalize_mp_policy(Newer(param_dtype_override_fn=torch.float32)),
+    )
 
 
 def _keep_nothing(p: nn.Parameter):
