@@ -75,6 +75,8 @@ def trainer_run(
     all_gather=None,
     save_dir=None,
     on_trained=None,
+    gradient_checkpointing=False,
+    model_dtype=None,
     **cfg_overrides,
 ):
     """Trainer.train for STEPS optimizer steps; returns (per-micro-batch losses, full params,
@@ -117,8 +119,11 @@ def trainer_run(
             disable_tqdm=True,
             dataloader_num_workers=0,
             seed=0,
+            gradient_checkpointing=gradient_checkpointing,
         )
         model = lora_llama() if lora else tiny_llama(seed=rank if cpu_ram else 0)
+        if model_dtype is not None:
+            model.to(getattr(torch, model_dtype))
         trainer = RecordingTrainer(model=model, args=args, train_dataset=_dataset(2 * world * ga * STEPS))
         trainer.recorded = []
         trainer.train()
@@ -155,6 +160,8 @@ def _parity(**cfg):
 def _trainer_grid():
     set_launcher_env()
     configs = [
+        dict(gradient_checkpointing=True),
+        dict(gradient_checkpointing=True, bf16=True, model_dtype="bfloat16"),
         dict(use_cpu=False),  # fp32; CPU chosen through use_with_accelerate(cpu=True) alone
         dict(bf16=True),
         dict(bf16=True, ga=2),
