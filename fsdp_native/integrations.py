@@ -213,16 +213,24 @@ def _check_transformers(cpu: bool, fully_shard: bool = True) -> list[str]:
     except Exception as e:  # noqa: BLE001
         return [f"transformers.trainer cannot be imported ({type(e).__name__}: {e})"]
     trainer = getattr(trainer_mod, "Trainer", None)
+    args_cls = getattr(args_mod, "TrainingArguments", None)
     create = getattr(trainer, "create_accelerator_and_postprocess", None)
     if create is None:
         missing.append("Trainer.create_accelerator_and_postprocess does not exist")
     else:
         names = _names_in(create)
-        for needed in ("Accelerator", "FullyShardedDataParallelPlugin"):
-            if needed not in names:
-                missing.append(f"Trainer.create_accelerator_and_postprocess does not use {needed}")
+        if "Accelerator" not in names:
+            missing.append("Trainer.create_accelerator_and_postprocess does not use Accelerator")
+        # Transformers 5 hands Accelerator an FSDP plugin; Transformers 4 set ACCELERATE_USE_FSDP
+        # (and FSDP_* variables) in TrainingArguments.__post_init__, from which Accelerator makes it.
+        post_init = getattr(args_cls, "__post_init__", None)
+        by_env = post_init is not None and "ACCELERATE_USE_FSDP" in _names_in(post_init)
+        if "FullyShardedDataParallelPlugin" not in names and not by_env:
+            missing.append(
+                "Trainer.create_accelerator_and_postprocess does not use FullyShardedDataParallelPlugin, nor does "
+                "TrainingArguments.__post_init__ set ACCELERATE_USE_FSDP"
+            )
     if cpu:
-        args_cls = getattr(args_mod, "TrainingArguments", None)
         setup = inspect.getattr_static(args_cls, "_setup_devices", None) if args_cls is not None else None
         setup_fn = getattr(setup, "func", getattr(setup, "fget", None))
         if setup_fn is None:

@@ -257,6 +257,43 @@ def test_transformers_hook_points_checked(monkeypatch):
         fi.use_with_accelerate(cpu=False).restore()  # the Trainer needs that hook only for cpu=True
 
 
+def test_transformers4_trainer_fsdp_from_the_environment(monkeypatch):
+    """Transformers 4 (4.57, what GPU images ship) makes no FSDP plugin in the Trainer: its
+    TrainingArguments set ACCELERATE_USE_FSDP and FSDP_* variables, from which Accelerator makes
+    one, and Accelerate's FSDP2 path then calls the patched fully_shard. Accepted; a Trainer
+    that neither makes a plugin nor sets the variable is refused."""
+    import os
+
+    import transformers.trainer as tr
+    import transformers.training_args as ta
+
+    import fsdp_native.integrations as fi
+
+    def create_accelerator_and_postprocess(self):  # the shape of Transformers 4.57's
+        self.accelerator = Accelerator(deepspeed_plugin=self.args.deepspeed_plugin)  # noqa: F821
+
+    def __post_init__(self):
+        if self.fsdp:
+            os.environ["ACCELERATE_USE_FSDP"] = "true"
+
+    monkeypatch.setattr(tr.Trainer, "create_accelerator_and_postprocess", create_accelerator_and_postprocess)
+    monkeypatch.setattr(ta.TrainingArguments, "__post_init__", __post_init__)
+    with pytest.warns(UserWarning):  # no CUDA here
+        fi.use_with_accelerate(cpu=False).restore()
+
+    def __post_init__(self):  # sets nothing
+        pass
+
+    monkeypatch.setattr(ta.TrainingArguments, "__post_init__", __post_init__)
+    with pytest.raises(fi.IntegrationError) as e:
+        fi.use_with_accelerate(cpu=False)
+    assert (
+        "transformers: Trainer.create_accelerator_and_postprocess does not use FullyShardedDataParallelPlugin, nor "
+        "does TrainingArguments.__post_init__ set ACCELERATE_USE_FSDP"
+    ) in str(e.value), str(e.value)
+    assert not fi._ACTIVE
+
+
 def test_transformers_native_fsdp_hook_point(monkeypatch):
     """Transformers' own FSDP2 path (from_pretrained(distributed_config=...)) calls the module
     global transformers.distributed.fsdp.fully_shard: patched and restored with the rest, and
