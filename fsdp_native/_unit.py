@@ -66,6 +66,14 @@ class PendingAllGather(NamedTuple):
     out: torch.Tensor | None
 
 
+def _converts_dtypes(layout: Layout, fn, device: torch.device) -> bool:
+    """Whether ``fn`` (of ``nn.Module._apply``) changes the dtype of any of the layout's plain
+    parameters, found on an empty tensor of each of their dtypes."""
+    dtypes = {d for d, e in zip(layout.orig_dtypes, layout.ext) if not e}
+    with torch.no_grad():
+        return any(fn(torch.empty(0, dtype=d, device=device)).dtype != d for d in dtypes)
+
+
 class Unit:
     def __init__(
         self,
@@ -252,6 +260,8 @@ class Unit:
             if not self._is_ours(i, p) or (not ext[i] and p.grad is not None):
                 return False
         flat = self.sharded_flat
+        if flat.dtype == torch.uint8 and _converts_dtypes(self.layout, fn, flat.device):
+            return False  # a byte buffer hides a conversion of its parameters' dtypes
         with torch.no_grad():
             new = fn(flat)
         if type(new) is not torch.Tensor or new.dtype != flat.dtype or new.shape != flat.shape:

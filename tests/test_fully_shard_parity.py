@@ -504,6 +504,10 @@ def _conversion_grid():
         dict(conversion="to_bf16", at=1, model="odd", accum=2),
         dict(conversion="to_bf16", meta=True, tied=True, reshard=1),
         dict(conversion="half_then_float", offload=True, nested=True),
+        # One unit of two modules: the first converted leaves a unit of mixed dtypes (a byte
+        # buffer) until the second is.
+        dict(conversion="to_bf16", head_group=True),
+        dict(conversion="half_then_float", head_group=True, mp="bf16"),
         dict(conversion="one_module", mp="bf16"),
         dict(conversion="one_module", mp="bf16", at=2, frozen=True),
     ]
