@@ -27,10 +27,15 @@ def _adapters(path: str) -> dict:
     return load_file(os.path.join(path, "adapter_model.safetensors"))
 
 
-def _initial_params() -> dict:
+def _initial_params(dtype: str | None = None) -> dict:
+    import torch
+
     from test_hf_trainer import lora_llama
 
-    return {n: p.detach().clone() for n, p in lora_llama().named_parameters()}
+    model = lora_llama()
+    if dtype is not None:
+        model.to(getattr(torch, dtype))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _check_trained(what: str, params: dict, init: dict) -> None:
@@ -44,17 +49,17 @@ def _check_trained(what: str, params: dict, init: dict) -> None:
         assert same != (n in lora), f"{what}: {n!r} {'did not change' if same else 'changed'} (frozen: {n not in lora})"
 
 
-def _parity(bf16: bool) -> None:
+def _parity(bf16: bool, model_dtype: str | None = None) -> None:
     import torch.distributed as dist
 
     from test_hf_trainer import trainer_run
 
     dirs = {impl: os.path.join(ctx().tmpdir, f"peft-{impl}-{bf16}") for impl in ("torch", "native")}
-    ref = trainer_run("torch", lora=True, bf16=bf16, save_dir=dirs["torch"])
-    got = trainer_run("native", lora=True, bf16=bf16, save_dir=dirs["native"])
+    ref = trainer_run("torch", lora=True, bf16=bf16, save_dir=dirs["torch"], model_dtype=model_dtype)
+    got = trainer_run("native", lora=True, bf16=bf16, save_dir=dirs["native"], model_dtype=model_dtype)
     assert_same("losses", got[0], ref[0])
     assert_same("parameters", got[1], ref[1])
-    _check_trained("fsdp_native", got[1], _initial_params())
+    _check_trained("fsdp_native", got[1], _initial_params(model_dtype))
     dist.barrier()
     saved = {impl: _adapters(d) for impl, d in dirs.items()}
     assert saved["native"] and all("lora_" in k for k in saved["native"]), sorted(saved["native"])
@@ -99,7 +104,7 @@ def _nf4() -> None:
 
 def _grid() -> None:
     set_launcher_env()
-    run_grid([dict(bf16=False), dict(bf16=True)], _parity, name="peft")
+    run_grid([dict(bf16=False), dict(bf16=True), dict(bf16=True, model_dtype="bfloat16")], _parity, name="peft")
     run_grid([{}], lambda: _nf4(), name="peft nf4")
 
 
