@@ -209,8 +209,8 @@ def max_over_ranks(values: list[float]) -> list[float]:
 def _rank_entry(rank: int, world_size: int, port: int, fn, args, queue, all_ranks: bool) -> None:
     try:
         result = fn(rank, world_size, port, *args)
-        if rank == 0 or all_ranks:
-            queue.put((rank, result))
+        # (rank, whether a result is sent, result): every rank says when its work is done.
+        queue.put((rank, True, result) if rank == 0 or all_ranks else (rank, False, None))
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
@@ -233,15 +233,28 @@ def run_ranks(fn, *args, world_size: int = 2, all_ranks: bool = False, timeout_s
         p.start()
     n_results = world_size if all_ranks else 1
     results: dict[int, Any] = {}
+    done: set[int] = set()  # ranks whose work is done
     deadline = time.monotonic() + timeout_s
     name = getattr(fn, "__name__", str(fn))
+
+    def receive(timeout: float) -> None:
+        rank, has_result, res = queue.get(timeout=timeout)
+        done.add(rank)
+        if has_result:
+            results[rank] = res
+
     try:
         while len(results) < n_results:
             try:
-                rank, res = queue.get(timeout=1.0)
-                results[rank] = res
+                receive(1.0)
             except Exception:  # queue.Empty
-                if any(p.exitcode not in (None, 0) for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                while failed and not set(failed) <= done:  # what they sent before exiting may still be on its way
+                    try:
+                        receive(1.0)
+                    except Exception:  # queue.Empty
+                        break
+                if not set(failed) <= done:  # a rank failed before its work was done
                     raise RuntimeError(f"{name}: a rank failed (see its traceback above)") from None
                 if all(p.exitcode is not None for p in procs) and queue.empty():
                     raise RuntimeError(f"{name}: ranks exited without results") from None

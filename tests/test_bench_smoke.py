@@ -116,9 +116,11 @@ def body(rank, world_size, port, fail):
     return (rank, out)
 
 def exits_badly(rank, world_size, port):
-    import atexit
+    import atexit, time
     if rank == 1:
         atexit.register(os._exit, 3)  # fails on its way out, after its work
+    else:
+        time.sleep(2)  # rank 1 is gone before rank 0's result comes, as on a loaded machine
     return rank
 
 if __name__ == "__main__":
