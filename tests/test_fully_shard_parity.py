@@ -398,8 +398,8 @@ def test_inference_mode_then_training_matches_torch_no_grad():
 # --- dtype conversions after fully_shard -------------------------------------------------------
 #
 # torch FSDP2 takes a sharded model's dtype as it finds it at its lazy init, so module.to(dtype),
-# .half() or .float() after fully_shard and before the first forward hold: Accelerate before
-# 1.11 upcast a bf16 model sharded with a bf16 mixed precision policy by model.to(torch.float32)
+# .half() or .float() after fully_shard and before the first forward hold: Accelerate 1.6 to
+# 1.12 upcast a bf16 model sharded with a bf16 mixed precision policy by model.to(torch.float32)
 # right after its fully_shard calls. fsdp_native lays a unit out again when its parameters'
 # dtypes change, before the first forward or between steps (where torch FSDP2 raises).
 
