@@ -129,14 +129,10 @@ class Unit:
             param_dtypes = [mp.param_dtype] * len(params)
         order = itemsize_order(params, param_dtypes)
         if order is not None:
-            params, owners = [params[i] for i in order], [owners[i] for i in order]
-            param_dtypes = [param_dtypes[i] for i in order]
-            self.owners = owners
+            params, param_dtypes = self._reorder(order, params, param_dtypes)
         self._configure(params, param_dtypes)
         self._shard(params)
-        # Views and per-parameter registration slots, built once.
-        self._slots = [(mod._parameters, name) for owner in owners for (mod, name) in owner]
-        self._slot_index = [i for i, owner in enumerate(owners) for _ in owner]
+        self._build_slots()
         self.unsharded_flat: torch.Tensor | None = None
         self.unsharded_params: list[nn.Parameter] = []
         self.is_unsharded = False
@@ -153,6 +149,17 @@ class Unit:
         self._pending_grads: tuple[torch.Tensor, list[DTensor]] | None = None
 
     # ----------------------------------------------------------------- sharding
+    def _reorder(self, order: list[int], *lists: list) -> list[list]:
+        """Puts the unit's parameters in `order` (:func:`itemsize_order`): its owners, and
+        `lists` (per parameter), returned reordered."""
+        self.owners = [self.owners[i] for i in order]
+        return [[seq[i] for i in order] for seq in lists]
+
+    def _build_slots(self) -> None:
+        """Each registration slot of a parameter (module._parameters, name) and its index."""
+        self._slots = [(mod._parameters, name) for owner in self.owners for (mod, name) in owner]
+        self._slot_index = [i for i, owner in enumerate(self.owners) for _ in owner]
+
     def _configure(self, params: list, param_dtypes: list, ext: list[bool] | None = None) -> None:
         """What the parameters' dtypes fix: the layout, the reduce dtype and the codec (at
         ``fully_shard``, and again when a conversion changed the dtypes: :meth:`_relayout`,
@@ -364,18 +371,19 @@ class Unit:
         may differ (a conversion: :meth:`_relayout`) if it stays a floating-point one."""
         mod, name = self.owners[i][0]
         where = f"parameter '{name}' of {type(mod).__name__} (unit '{self.fqn}')"
-        ref = self.sharded_params[i]
-        shape = self.layout.shapes[i]
+        # Against the unit's own facts: after nn.Module._apply the registered parameter object
+        # is the unit's, with its contents swapped.
+        shape, placements = self.layout.shapes[i], tuple(self.info.placements)
         if not isinstance(p, DTensor):
             raise ValueError(
                 f"fsdp_native: {where} was replaced by a {type(p).__name__} of shape {tuple(p.shape)}, expected a "
-                f"DTensor of shape {tuple(shape)} with placements {ref.placements} (load a sharded state dict, "
+                f"DTensor of shape {tuple(shape)} with placements {placements} (load a sharded state dict, "
                 "e.g. from get_model_state_dict, or load without assign=True)"
             )
-        if p.shape != shape or tuple(p.placements) != tuple(ref.placements) or p.device_mesh != ref.device_mesh:
+        if p.shape != shape or tuple(p.placements) != placements or p.device_mesh != self.info.mesh:
             raise ValueError(
                 f"fsdp_native: {where} was replaced by a DTensor of shape {tuple(p.shape)}, placements "
-                f"{p.placements}, expected shape {tuple(shape)}, placements {ref.placements} on the unit's mesh"
+                f"{p.placements}, expected shape {tuple(shape)}, placements {placements} on the unit's mesh"
             )
         if p.dtype != self.layout.orig_dtypes[i] and not p.dtype.is_floating_point:
             raise ValueError(
@@ -403,12 +411,9 @@ class Unit:
         names = [name for (_, name), *_ in self.owners]
         requested = resolve_param_dtypes(self.mp, params, names)
         order = itemsize_order(specs, requested)
-        if order is not None and order != list(range(len(params))):
-            params, specs, ext = [params[i] for i in order], [specs[i] for i in order], [ext[i] for i in order]
-            requested = [requested[i] for i in order]
-            self.owners = owners = [self.owners[i] for i in order]
-            self._slots = [(mod._parameters, name) for owner in owners for (mod, name) in owner]
-            self._slot_index = [i for i, owner in enumerate(owners) for _ in owner]
+        if order is not None:
+            params, specs, ext, requested = self._reorder(order, params, specs, ext, requested)
+            self._build_slots()
         self._configure(specs, requested, ext)
         self.unsharded_flat, self.unsharded_params = None, []
         self._accumulated = self._pending_grads = None
