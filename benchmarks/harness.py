@@ -62,21 +62,34 @@ class Impl:
 def load_impl(name: str) -> Impl:
     """``torch`` (torch.distributed.fsdp), ``fsdp_native``, ``fsdp_native:<format>`` (its
     quantized all-gather, e.g. ``fsdp_native:fp8_rowwise``), or any importable module exposing
-    ``fully_shard``, ``MixedPrecisionPolicy`` and ``FSDPModule``; a ``+compile`` suffix
-    (``torch+compile``, ``fsdp_native+compile``) compiles every block before its
-    ``fully_shard``."""
+    ``fully_shard``, ``MixedPrecisionPolicy`` and ``FSDPModule``; an ``@dim<d>`` suffix
+    (``torch@dim1``) shards every matrix on dim d (``shard_placement_fn``) where d divides
+    evenly over the ranks; a ``+compile`` suffix (``torch+compile``, ``fsdp_native+compile``)
+    compiles every block before its ``fully_shard``."""
+    import functools
+
     name_, plus, extra = name.partition("+")
     if plus and extra != "compile":
         raise ValueError(f"implementation '{name}': unknown suffix '+{extra}', expected '+compile'")
+    name_, at, dim = name_.partition("@")
+    if at and not (dim.startswith("dim") and dim[3:].lstrip("-").isdigit()):
+        raise ValueError(f"implementation '{name}': unknown suffix '@{dim}', expected '@dim<d>', e.g. '@dim1'")
     base, _, fmt = name_.partition(":")
     module = {"torch": "torch.distributed.fsdp"}.get(base, base)
     mod = importlib.import_module(module)
     fully_shard = mod.fully_shard
     if fmt:  # "fsdp_native:fp8_rowwise": fsdp_native's quantized all-gather on every unit
-        import functools
-
         fully_shard = functools.partial(mod.fully_shard, all_gather=mod.QuantizedAllGather(fmt))
+    if at:
+        fully_shard = functools.partial(fully_shard, shard_placement_fn=functools.partial(_shard_on, int(dim[3:])))
     return Impl(name, fully_shard, mod.MixedPrecisionPolicy, mod.FSDPModule, compile_blocks=bool(plus))
+
+
+def _shard_on(dim: int, p):
+    """``Shard(dim)`` for a matrix whose size on `dim` divides the world size, else dim 0."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(dim) if p.dim() >= 2 and p.shape[dim] % dist.get_world_size() == 0 else None
 
 
 def mixed_precision(impl: Impl, precision: str):

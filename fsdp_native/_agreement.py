@@ -5,7 +5,7 @@ A different structure per rank makes the ranks issue different collectives: gloo
 the process (a size mismatch) or blocks until its timeout, and a same-sized mismatch silently
 mixes data of different units. So before its first collective a root checks, for every unit
 under it: the modules (their paths from the root, in order), every parameter's name, shape,
-dtype and requires_grad, and the policies (mixed precision, reshard_after_forward, offload,
+dtype, requires_grad and shard dim, and the policies (mixed precision, reshard_after_forward, offload,
 mesh shape). This runs once per root, at lazy init, and nothing runs inside ``fully_shard``:
 a rank that skipped a ``fully_shard`` call issues the same collectives as the others until
 here.
@@ -69,10 +69,11 @@ def describe(root: nn.Module, units: list) -> dict:
     out = []
     for u in units:
         params = []
-        for owner, shape, dtype, rg in zip(u.owners, u.layout.shapes, u.layout.orig_dtypes, u.layout.requires_grad):
+        layout = u.layout
+        for owner, shape, dtype, rg, dim in zip(u.owners, layout.shapes, layout.orig_dtypes, layout.requires_grad, layout.dims):
             mod, attr = owner[0]
             prefix = paths.get(id(mod), "?")
-            params.append((f"{prefix}.{attr}" if prefix else attr, tuple(shape), str(dtype).replace("torch.", ""), rg))
+            params.append((f"{prefix}.{attr}" if prefix else attr, tuple(shape), str(dtype).replace("torch.", ""), rg, dim))
         raf = u.reshard_after_forward if u.post_forward is None else u.post_forward[1]
         out.append(
             {
@@ -203,7 +204,7 @@ def _unit_diffs(name: str, units: dict[int, dict], ranks: list[int]) -> list[str
         if len(have) < len(ranks):
             out.append(f"{name}: parameter '{pname}' exists on ranks {have} but not on {[r for r in ranks if r not in have]}")
             continue
-        for idx, what in ((1, "has shape"), (2, "has dtype"), (3, "has requires_grad")):
+        for idx, what in ((1, "has shape"), (2, "has dtype"), (3, "has requires_grad"), (4, "is sharded on dim")):
             values = {r: params[r][pname][idx] for r in ranks}
             if len({repr(v) for v in values.values()}) > 1:
                 fmt = (lambda v: str(tuple(v))) if idx == 1 else str

@@ -75,6 +75,37 @@ class Codec:
         raise NotImplementedError
 
 
+def copy_out(unit, out: torch.Tensor, segments: list[int], targets: list[torch.Tensor], index: list) -> None:
+    """``ops.all_gather_copy_out`` of `out` (world-size chunks of `segments`) into `targets`;
+    ``index[k]`` is the parameter of segment k (None for other segments). A parameter sharded
+    on a dim other than 0 (``layout.strided``) is not contiguous rank by rank in its unsharded
+    tensor: it is skipped there and written by one strided copy from `out`."""
+    layout = unit.layout
+    ws = layout.world_size
+    if not layout.strided:
+        ops.all_gather_copy_out(out, segments, ws, targets)
+        return
+    strided = set(layout.strided)
+    skip = out[:0]
+    ops.all_gather_copy_out(out, segments, ws, [skip if j in strided else t for t, j in zip(targets, index)])
+    rows, offset = out.view(ws, -1), 0
+    for seg, j in zip(segments, index):
+        if j in strided:
+            src = rows[:, offset : offset + seg]
+            dtype = layout.param_dtypes[j]
+            if src.dtype != dtype:  # bytes
+                try:
+                    src = src.view(dtype)
+                except RuntimeError:  # chunks not aligned for `dtype` (a byte unit of odd size)
+                    src = src.contiguous().view(dtype)
+            dst = unit._unsharded_typed[j]
+            # Without a version bump, as the native copy-out: autograd may have saved the
+            # unsharded parameter in forward, and the backward's all-gather refills it.
+            with torch.autograd._unsafe_preserve_version_counter(dst):
+                layout.by_rank(j, dst).copy_(src.view(ws, *layout.local_shape(j)))
+        offset += seg
+
+
 class PlainCodec(Codec):
     rebuilds_post_forward = True
 
@@ -124,7 +155,7 @@ class PlainCodec(Codec):
             return 0
         layout = self.layout
         outs = unit._unsharded_plain + [out[:0]] if layout.ag_tail else unit._unsharded_plain
-        ops.all_gather_copy_out(out, layout.ag_segments, layout.world_size, outs)
+        copy_out(unit, out, layout.ag_segments, outs, list(range(len(outs))))
         return 0
 
     def post_forward_shard(self, unit, first: int, count: int) -> torch.Tensor:
@@ -133,7 +164,11 @@ class PlainCodec(Codec):
         layout = self.layout
         outs = unit._unsharded_plain + [unit._unsharded_plain[0][:0]] if layout.ag_tail else unit._unsharded_plain
         parts = []
-        for t, seg in zip(outs, layout.ag_segments):
+        for i, (t, seg) in enumerate(zip(outs, layout.ag_segments)):
+            if i in layout.strided:  # ranks [first, first + count)'s chunks of dim d, contiguous
+                part = layout.by_rank(i, unit._unsharded_typed[i]).narrow(0, first, count).contiguous().reshape(-1)
+                parts.append(part.view(torch.uint8) if layout.gather_bytes else part)
+                continue
             flat = t.reshape(-1)
             lo = min(first * seg, flat.numel())
             parts.append(flat.narrow(0, lo, min((first + count) * seg, flat.numel()) - lo))
@@ -190,15 +225,17 @@ class ExtensionCodec(Codec):
         """Copies the gathered bytes into the plain parameters and into each subclass
         parameter's persistent outputs, then runs its fsdp_post_all_gather."""
         layout = self.layout
-        outs, allocated = [], 0
+        outs, index, allocated = [], [], 0
         for i, view in enumerate(unit._unsharded_plain):
             if layout.ext[i]:
                 state = self.states[i]
                 allocated += state.alloc()
                 outs += [o.view(torch.uint8) for o in state.outputs]
+                index += [None] * len(state.outputs)
             else:
                 outs.append(view)
-        ops.all_gather_copy_out(out, self.segments, layout.world_size, outs)
+                index.append(i)
+        copy_out(unit, out, self.segments, outs, index)
         for i, local in enumerate(unit.shard_views):
             if layout.ext[i]:
                 unit.unsharded_params[i] = _extension.post_all_gather(
@@ -248,8 +285,9 @@ class QuantCodec(Codec):
 
     @staticmethod
     def quantizes(layout: Layout, i: int, policy: QuantizedAllGather) -> bool:
-        """Whether parameter `i` is quantized; the others travel unquantized."""
-        return len(layout.shapes[i]) >= 2 and layout.numels[i] >= policy.min_numel
+        """Whether parameter `i` is quantized; the others travel unquantized (also those sharded
+        on a dim other than 0: rows and blocks follow dim 0)."""
+        return len(layout.shapes[i]) >= 2 and layout.numels[i] >= policy.min_numel and not layout.dims[i]
 
     def copy_in(self, unit, out: torch.Tensor, chunk: int) -> torch.Tensor:
         from fsdp_native import quant
@@ -301,7 +339,8 @@ class QuantCodec(Codec):
         )
         if self.plain:
             targets = [self.empty] + [outs[i] for i in self.plain] + ([self.empty] if self.tail else [])
-            ops.all_gather_copy_out(out.view(layout.param_dtype), self.plain_padded, ws, targets)
+            index = [None] + self.plain + ([None] if self.tail else [])
+            copy_out(unit, out.view(layout.param_dtype), self.plain_padded, targets, index)
         return 0
 
 

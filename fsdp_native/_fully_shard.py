@@ -49,7 +49,8 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the unsharded parameters after forward and
             all-gathers again in backward; ``False`` keeps them; an ``int`` reshards to that
             many ranks; ``None`` is ``True`` except for the root, which is ``False``.
-        shard_placement_fn: must return ``None`` or ``Shard(0)`` (other dims not supported).
+        shard_placement_fn: per parameter, ``None`` (dim 0) or ``Shard(d)``; a dim other than 0
+            must divide evenly over the shard ranks, as in torch FSDP2.
         mp_policy: mixed precision (fsdp_native's or torch's ``MixedPrecisionPolicy``).
         offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()`` (fsdp_native's or torch's).
         ignored_params: parameters left unsharded and unreduced.
@@ -102,23 +103,17 @@ def fully_shard(
     params, owners = _collect_params(modules, ignored)
     names = _param_names(modules, params)
     _check_not_sharded(modules, params, owners, names)
-    for p, owner in zip(params, owners):
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0):
-                raise NotImplementedError(
-                    f"fully_shard: shard_placement_fn returned {placement} for '{owner[0][1]}', expected None or Shard(0)"
-                )
     for p, name in zip(params, names):
         if p.dim() == 0:
             raise ValueError(
                 f"fully_shard: argument 'module' has a scalar (0-dim) parameter '{name}'; FSDP shards dim 0, "
                 "make it a 1-D tensor of size 1"
             )
+    shard_dims = _shard_dims(shard_placement_fn, params, names, info)
     _check_devices(params, names)
     param_dtypes = resolve_param_dtypes(mp, params, names)  # the user's parameters, as torch calls it
     params = [_to_device(p, info.device) for p in params]
-    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes)
+    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes, shard_dims)
     pre_hook, post_hook = _eager_hooks()
     for m in modules:
         m._fsdp_native_unit = unit
@@ -221,6 +216,57 @@ def _check_same_settings(module, unit, info, mp, offload, raf, given) -> None:
         raise ValueError(f"fully_shard: argument 'offload_policy' is {offload}, but {where} is already sharded with offload_policy={unit.offload}")
     if unit.info.mesh != info.mesh:
         raise ValueError(f"fully_shard: argument 'mesh' is {info.mesh}, but {where} is already sharded on {unit.info.mesh}")
+
+
+def _shard_dims(fn, params: list, names: list[str], info) -> list[int]:
+    """Each parameter's shard dim from `shard_placement_fn` (``None``: dim 0), as torch FSDP2
+    reads it: ``Shard(d)`` with d counted from the end when negative, or (torch 2.13+) a
+    ``ShardPlacementResult`` whose mesh is the unit's. A dim other than 0 must divide evenly
+    over the shard group (torch FSDP2 pads dim 0 only)."""
+    from fsdp_native import _extension
+
+    dims = []
+    for p, name in zip(params, names):
+        result = None if fn is None else fn(p)
+        placement = result
+        if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):  # ShardPlacementResult
+            placement = result.placement
+            mesh = getattr(result.mesh_info, "mesh", None)
+            shard_dim = getattr(result.mesh_info, "shard_mesh_dim", None)
+            if (mesh is not info.mesh and mesh != info.mesh) or shard_dim != info.mesh.ndim - 1:
+                raise NotImplementedError(
+                    f"fully_shard: argument 'shard_placement_fn' returned a ShardPlacementResult with a mesh of its own "
+                    f"for parameter '{name}'; fsdp_native shards every parameter of a unit on the unit's mesh (shard "
+                    "parameters on another mesh with a fully_shard call of their own)"
+                )
+        if placement is None:
+            dims.append(0)
+            continue
+        if type(placement) is not Shard:
+            raise ValueError(
+                f"fully_shard: argument 'shard_placement_fn' returned {placement!r} for parameter '{name}', "
+                "expected None or a Shard placement"
+            )
+        d = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= d < p.dim():
+            raise ValueError(
+                f"fully_shard: argument 'shard_placement_fn' returned Shard({placement.dim}) for parameter '{name}' "
+                f"of shape {tuple(p.shape)}, expected a dim in [{-p.dim()}, {p.dim() - 1}]"
+            )
+        if d and p.shape[d] % info.shard_size:
+            raise NotImplementedError(
+                f"fully_shard: argument 'shard_placement_fn' returned Shard({placement.dim}) for parameter '{name}' "
+                f"of shape {tuple(p.shape)}, whose size {p.shape[d]} on dim {d} does not divide evenly over the "
+                f"{info.shard_size} shard ranks; like torch FSDP2, fsdp_native shards a dim other than 0 evenly only"
+            )
+        if d and _extension.has_extension(p):
+            raise NotImplementedError(
+                f"fully_shard: argument 'shard_placement_fn' returned Shard({placement.dim}) for parameter '{name}', "
+                f"a {type(p.data).__name__} gathered by its fsdp_pre_all_gather; fsdp_native shards tensor-subclass "
+                "parameters on dim 0 only"
+            )
+        dims.append(d)
+    return dims
 
 
 def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Parameter], list[list[tuple[nn.Module, str]]]]:

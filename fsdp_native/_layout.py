@@ -3,7 +3,10 @@
 
 The sharded parameters are views into one flat buffer of ``sum(shard_units)`` elements (each
 parameter's rank-local dim-0 shard, zero padded to its padded shard size), typed, or bytes
-when the original dtypes differ. The unsharded parameters are views into one flat buffer of
+when the original dtypes differ. A parameter sharded on another dim (``shard_placement_fn``
+returning ``Shard(d)``; d must then divide evenly, as torch FSDP2 requires) holds its
+contiguous chunk of dim d there: all-gathered, rank ``r``'s chunk is ``chunk(ws, dim=d)[r]``,
+which the codecs copy out with one strided copy (:meth:`Layout.by_rank`). The unsharded parameters are views into one flat buffer of
 ``unsharded_numel`` elements of ``param_dtype`` (bytes when the unsharded dtypes differ, or
 when tensor-subclass parameters gather their own tensors). Parameters are ordered by element
 size, largest first (:func:`itemsize_order`), so every region of a byte buffer starts aligned
@@ -42,6 +45,8 @@ class Layout:
         shapes, numels, padded: global shapes, element counts, padded shard sizes.
         orig_dtypes, param_dtypes: sharded and unsharded (compute) dtypes.
         requires_grad: whether each parameter takes gradients.
+        dims, strided: each parameter's shard dim, and the parameters whose chunks are not
+            contiguous in the unsharded tensor (dim > 0 over several ranks).
         ext, has_ext: which parameters use torch's all-gather extension protocol.
         orig_dtype, shard_units: the sharded flat buffer's dtype (uint8 when mixed) and each
             parameter's length in it.
@@ -57,7 +62,13 @@ class Layout:
     """
 
     def __init__(
-        self, params: list[nn.Parameter], world_size: int, rank: int, param_dtype: "torch.dtype | None | list", ext: list[bool] | None = None
+        self,
+        params: list[nn.Parameter],
+        world_size: int,
+        rank: int,
+        param_dtype: "torch.dtype | None | list",
+        ext: list[bool] | None = None,
+        dims: list[int] | None = None,
     ) -> None:
         ws = world_size
         self.world_size, self.rank = ws, rank
@@ -65,7 +76,10 @@ class Layout:
         self.has_ext = any(self.ext)
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
-        self.padded = [ops.padded_shard_numel(s, ws) for s in self.shapes]
+        self.dims = [0] * len(params) if dims is None else list(dims)
+        self.strided = [i for i, d in enumerate(self.dims) if d and ws > 1]
+        # A shard of dim d > 0 divides evenly (checked at fully_shard): no padding.
+        self.padded = [n // ws if d else ops.padded_shard_numel(s, ws) for s, n, d in zip(self.shapes, self.numels, self.dims)]
         self.orig_dtypes = [p.dtype for p in params]
         requested = param_dtype if isinstance(param_dtype, list) else [param_dtype] * len(params)
         self.param_dtypes = [r or d for r, d in zip(requested, self.orig_dtypes)]
@@ -121,23 +135,46 @@ class Layout:
         # The copy-out's segments of a rank's chunk (the tail as one more, written nowhere).
         self.ag_segments = self.ag_padded + [self.ag_tail] if self.ag_tail else self.ag_padded
 
-    def local_rows(self, shape: torch.Size) -> int:
-        rows = -(-shape[0] // self.world_size)
-        return max(0, min(rows, shape[0] - self.rank * rows))
+    def local_shape(self, i: int) -> tuple[int, ...]:
+        """This rank's shard shape of parameter `i` (dim 0 uneven, the last rank's may be
+        short or empty; another dim divides evenly)."""
+        shape, d = self.shapes[i], self.dims[i]
+        rows = -(-shape[d] // self.world_size)
+        if d == 0:
+            rows = max(0, min(rows, shape[0] - self.rank * rows))
+        return (*shape[:d], rows, *shape[d + 1 :])
+
+    def local_chunk(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of parameter `i` taken from its unsharded tensor `full`."""
+        shape = self.local_shape(i)
+        if self.dims[i]:
+            return full.chunk(self.world_size, dim=self.dims[i])[self.rank]
+        start = self.rank * self.padded[i]
+        return full.reshape(-1)[start : start + math.prod(shape)].view(shape)
+
+    def by_rank(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """Unsharded parameter `i` (`t`, contiguous, its shape) as a strided view of shape
+        ``(world_size, *local shape)``: index r is rank r's shard."""
+        d, ws = self.dims[i], self.world_size
+        shape = self.shapes[i]
+        return t.view(*shape[:d], ws, shape[d] // ws, *shape[d + 1 :]).movedim(d, 0)
 
     def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard of every parameter, as views into a flat padded buffer (typed
         views into a byte buffer when the dtypes differ)."""
         views, offset = [], 0
         by_bytes = flat.dtype == torch.uint8 and self.orig_dtype == torch.uint8
-        for shape, units, dtype, ext in zip(self.shapes, self.shard_units, self.orig_dtypes, self.ext):
+        for i, (units, dtype, ext) in enumerate(zip(self.shard_units, self.orig_dtypes, self.ext)):
             # A subclass parameter keeps its own shard: no bytes of the buffer (the view, empty,
             # is replaced by that shard).
-            n = 0 if ext else self.local_rows(shape) * math.prod(shape[1:])
+            shape = self.local_shape(i)
+            n = 0 if ext else math.prod(shape)
+            if ext:
+                shape = (0, *self.shapes[i][1:])
             if by_bytes:
-                views.append(flat[offset : offset + n * dtype.itemsize].view(dtype).view((-1, *shape[1:])))
+                views.append(flat[offset : offset + n * dtype.itemsize].view(dtype).view(shape))
             else:
-                views.append(flat[offset : offset + n].view((-1, *shape[1:])))
+                views.append(flat[offset : offset + n].view(shape))
             offset += units
         return views
 

@@ -66,9 +66,17 @@ class Bucket:
         ws, dtype, device = first.world_size, first.reduce_dtype, first.device
         pre, _, rs_op, _ = first._divide_factors()
         padded, grads = [], []
+        strided = []  # (offset in a rank's chunk, layout, parameter, gradient): dims other than 0
         for e in self.entries:
-            padded += [p for p, h in zip(e.unit.layout.padded, e.has_grad) if h]
-            grads += [g for g, h in zip(e.grads, e.has_grad) if h]
+            layout = e.unit.layout
+            for i, (n, g, h) in enumerate(zip(layout.padded, e.grads, e.has_grad)):
+                if not h:
+                    continue
+                if i in layout.strided:
+                    strided.append((sum(padded), layout, i, g))
+                    g = g[:0]  # its slots are zeroed, then written by strided_copy_in
+                padded.append(n)
+                grads.append(g)
             e.grads.clear()  # the caller's list too: `grads` below is then their only owner
             e.grads = None
         total = sum(e.total for e in self.entries)
@@ -93,10 +101,12 @@ class Bucket:
         with st.use(st.reduce_scatter):
             rs_in = torch.empty(ws * total, dtype=dtype, device=device)
             ops.reduce_scatter_copy_in(grads, padded, ws, rs_in)
+            if strided:
+                _strided_copy_in(rs_in.view(ws, total), strided)
             if pre is not None:
                 rs_in.div_(pre)
         st.wait(rs_in, st.compute, st.reduce_scatter)  # the unsharded gradients may be freed now
-        del grads
+        del grads, strided
         # The output after the unsharded gradients are gone, as torch FSDP2 orders them: the
         # step's peak is often here (the unit's unsharded gradients and its reduce-scatter input).
         with st.use(st.reduce_scatter):
@@ -144,6 +154,16 @@ class Bucket:
         self.entries = []
         self.out = None
         self.rs_in = None
+
+
+def _strided_copy_in(rows: torch.Tensor, strided: list) -> None:
+    """Writes gradients of parameters sharded on a dim other than 0 into the reduce-scatter
+    input `rows` (world size x a rank's chunk): rank r's slot gets chunk r of that dim, by one
+    strided copy per gradient (cast to the reduce dtype)."""
+    ws = rows.shape[0]
+    for offset, layout, i, g in strided:
+        dst = rows[:, offset : offset + layout.padded[i]].view(ws, *layout.local_shape(i))
+        dst.copy_(layout.by_rank(i, g if g.is_contiguous() else g.contiguous()))
 
 
 class Reducer:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_native import _codec, _comm, _compat, _extension, _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedAllGather, resolve_param_dtypes
@@ -87,6 +87,7 @@ class Unit:
         post_forward: tuple[dist.ProcessGroup, int, int] | None,
         all_gather: QuantizedAllGather | None = None,
         param_dtypes: list[torch.dtype | None] | None = None,
+        shard_dims: list[int] | None = None,
     ) -> None:
         self.modules = modules
         self.owners = owners
@@ -125,6 +126,7 @@ class Unit:
         # copies to the GPU are asynchronous.
         self._pin = offload is not None and offload.pin_memory and info.device.type == "cuda"
         self.all_gather = all_gather
+        self.shard_dims = [0] * len(params) if shard_dims is None else list(shard_dims)  # per parameter, in unit order
         if param_dtypes is None:
             param_dtypes = [mp.param_dtype] * len(params)
         order = itemsize_order(params, param_dtypes)
@@ -150,9 +152,10 @@ class Unit:
 
     # ----------------------------------------------------------------- sharding
     def _reorder(self, order: list[int], *lists: list) -> list[list]:
-        """Puts the unit's parameters in `order` (:func:`itemsize_order`): its owners, and
-        `lists` (per parameter), returned reordered."""
+        """Puts the unit's parameters in `order` (:func:`itemsize_order`): its owners and shard
+        dims, and `lists` (per parameter), returned reordered."""
         self.owners = [self.owners[i] for i in order]
+        self.shard_dims = [self.shard_dims[i] for i in order]
         return [[seq[i] for i in order] for seq in lists]
 
     def _build_slots(self) -> None:
@@ -165,7 +168,7 @@ class Unit:
         ``fully_shard``, and again when a conversion changed the dtypes: :meth:`_relayout`,
         which passes `ext`, the subclass parameters, checked at ``fully_shard``)."""
         owners, mp, post_forward = self.owners, self.mp, self.post_forward
-        self.layout = layout = Layout(params, self.world_size, self.rank, param_dtypes, ext)
+        self.layout = layout = Layout(params, self.world_size, self.rank, param_dtypes, ext, self.shard_dims)
         if layout.has_ext and ext is None:
             _codec.check_extension_params(params, owners, layout.ext, self.world_size, post_forward)
         # The reduce dtype the policy fixes (None: that of the gradients, checked when they are
@@ -204,10 +207,9 @@ class Unit:
                     continue
                 view = self.shard_views[i]
                 if not p.is_meta and view.numel():
-                    start = self.rank * layout.padded[i]
-                    view.copy_(p.detach().reshape(-1)[start : start + view.numel()].view_as(view))
+                    view.copy_(layout.local_chunk(i, p.detach()))
                 spec = DTensor.from_local(
-                    view, self.info.mesh, self.info.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    view, self.info.mesh, self.placements(i), run_check=False, shape=p.shape, stride=p.stride()
                 )._spec
                 sp = nn.Parameter(make_sharded(view, spec), requires_grad=p.requires_grad)
                 sp._local_tensor = view  # Parameter() detached a copy of the wrapper: point it back at our view
@@ -215,6 +217,13 @@ class Unit:
                 self.sharded_params.append(sp)
                 for mod, name in self.owners[i]:
                     mod._parameters[name] = sp
+
+    def placements(self, i: int) -> tuple:
+        """Parameter `i`'s DTensor placements: ``Shard(d)`` on the shard mesh dim (``d`` from
+        ``shard_placement_fn``, else 0), ``Replicate()`` on the replicate dim (HSDP)."""
+        placements = self.info.placements
+        d = self.shard_dims[i]
+        return placements if d == 0 else (*placements[:-1], Shard(d))
 
     def _new_flat(self, device: torch.device) -> torch.Tensor:
         """A zeroed flat sharded buffer on `device` (pinned for an offloaded CUDA unit)."""
@@ -373,7 +382,7 @@ class Unit:
         where = f"parameter '{name}' of {type(mod).__name__} (unit '{self.fqn}')"
         # Against the unit's own facts: after nn.Module._apply the registered parameter object
         # is the unit's, with its contents swapped.
-        shape, placements = self.layout.shapes[i], tuple(self.info.placements)
+        shape, placements = self.layout.shapes[i], self.placements(i)
         if not isinstance(p, DTensor):
             raise ValueError(
                 f"fsdp_native: {where} was replaced by a {type(p).__name__} of shape {tuple(p.shape)}, expected a "
@@ -440,6 +449,7 @@ class Unit:
         plain, typed = layout.unsharded_views(flat)
         self.unsharded_params = [None if t is None else nn.Parameter(t, requires_grad=rg) for t, rg in zip(typed, layout.requires_grad)]
         self._unsharded_plain = plain  # plain views the copy-out writes (no autograd on them)
+        self._unsharded_typed = typed  # the same, typed and shaped (a strided parameter's copy-out target)
         flat.untyped_storage().resize_(0)  # views made; memory comes with the first unshard
 
     def _alloc_unsharded(self) -> int:

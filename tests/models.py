@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from dist_utils import full, full_params
@@ -262,6 +262,9 @@ class Cfg:
     n_layers: int | None = None  # default: the base model's
     head_group: bool = False  # fully_shard([norm, output]): one unit of two modules (Accelerate's)
     dtype: torch.dtype | None = None  # the model converted to it before fully_shard (None: fp32)
+    # shard_placement_fn: Shard(shard_dim) for every matrix whose size on that dim divides the
+    # shard group (None: no shard_placement_fn, every parameter on dim 0).
+    shard_dim: int | None = None
 
     @property
     def model_args(self):
@@ -313,6 +316,8 @@ def build_fsdp(impl, cfg: Cfg, mesh, seed: int = 0) -> Transformer:
             root_kw["mp_policy"] = impl.MixedPrecisionPolicy(**root_mp)
     if cfg.offload:
         kw["offload_policy"] = root_kw["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
+    if cfg.shard_dim is not None:
+        kw["shard_placement_fn"] = root_kw["shard_placement_fn"] = shard_on(cfg.shard_dim, mesh.size(mesh.ndim - 1))
     for layer in model.layers:
         if cfg.nested:
             impl.fully_shard(layer.feed_forward, **kw)
@@ -342,6 +347,17 @@ def build_fsdp(impl, cfg: Cfg, mesh, seed: int = 0) -> Transformer:
                 # sum-only reductions (then a division) are what a gloo user sets.
                 m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def shard_on(dim: int, shard_size: int):
+    """A shard_placement_fn: ``Shard(dim)`` for a parameter of 2 or more dims whose size on
+    `dim` divides `shard_size` (torch FSDP2 shards a dim other than 0 evenly only), else None
+    (dim 0)."""
+
+    def fn(p):
+        return Shard(dim) if p.dim() >= 2 and p.shape[dim] % shard_size == 0 else None
+
+    return fn
 
 
 def make_optim(cfg: Cfg, params):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 from dist_utils import load_impl, run_distributed, run_grid
 from models import MLPStack
@@ -49,6 +50,8 @@ EXPECTED = {
     "mp_policy": HEAD + f"unit 2 'layers.1': mp_policy is {NO_MP} on ranks [0] but {BF16} on ranks [1]" + TAIL,
     "offload_policy": HEAD + "unit 3 'layers.2': offload_policy is OffloadPolicy() on ranks [0] but "
     "CPUOffloadPolicy(pin_memory=False) on ranks [1]" + TAIL,
+    "shard_dim": HEAD + "unit 2 'layers.1': parameter 'layers.1.weight' is sharded on dim 0 on ranks [0] but 1 on ranks "
+    "[1]" + TAIL,
     "order": HEAD + "the order of the units is ['<root>', 'layers.0', 'layers.1', 'layers.2'] on ranks [0] but "
     "['<root>', 'layers.0', 'layers.2', 'layers.1'] on ranks [1]" + TAIL,
 }
@@ -102,6 +105,8 @@ def build(case: str, odd: bool, mesh):
             layer_kw["reshard_after_forward"] = False
         if odd and case == "mp_policy" and i == 1:
             layer_kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        if odd and case == "shard_dim" and i == 1:
+            layer_kw["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 2 else None
         if odd and case == "offload_policy" and i == 2:
             layer_kw["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
         if odd and case in ("root_only",):

@@ -160,6 +160,13 @@ def test_harness_load_impl_names():
     assert im.compile_blocks and im.fully_shard.keywords["all_gather"].format == "fp8_rowwise"
     with pytest.raises(ValueError, match=r"implementation 'torch\+fast': unknown suffix '\+fast', expected '\+compile'"):
         load_impl("torch+fast")
+    # '@dim1': shard_placement_fn puts matrices on dim 1 (where it divides the world size)
+    im = load_impl("fsdp_native:nf4@dim1+compile")
+    assert im.compile_blocks and im.fully_shard.keywords["all_gather"].format == "nf4"
+    fn = im.fully_shard.keywords["shard_placement_fn"]
+    assert fn.args == (1,) and fn.func.__name__ == "_shard_on"
+    with pytest.raises(ValueError, match=r"implementation 'torch@rows': unknown suffix '@rows', expected '@dim<d>', e.g. '@dim1'"):
+        load_impl("torch@rows")
 
     calls = []
     model = nn.Module()

@@ -36,6 +36,9 @@ ValueError = bad value, TypeError = wrong type, NotImplementedError = valid but 
                                               without forward; shard its children instead"
   forward with meta parameters   RuntimeError (at forward, every rank) "... 'layers.0.weight' ... still on the
                                               meta device; call module.to_empty(...) and initialise them ..."
+  shard_placement_fn: Shard(2)   ValueError   (exact messages in case() below; torch raises AssertionError)
+  of a matrix, Replicate(),      ValueError
+  Shard(1) of a dim of 9 ranks   NotImplementedError (as torch: a dim other than 0 is sharded evenly only)
 
 After each case every rank runs a collective that checks the process group is
 still usable and in step (a rank that hung or issued an extra collective fails it).
@@ -49,8 +52,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dist_utils import load_impl, run_distributed, run_grid
+from dist_utils import load_impl, raises_exactly, run_distributed, run_grid
 from models import MLPStack
 
 
@@ -150,6 +154,31 @@ def case(name):
         _expect(ValueError, r"scalar", lambda: fs(_ScalarParam(), mesh=mesh), "scale")
     elif name == "container_without_forward":
         _expect(ValueError, r"ModuleList", lambda: fs(nn.ModuleList([nn.Linear(4, 4)]), mesh=mesh))
+    elif name == "shard_placement_bad_dim":
+        raises_exactly(
+            ValueError,
+            "fully_shard: argument 'shard_placement_fn' returned Shard(2) for parameter 'layers.0.weight' of shape "
+            "(8, 8), expected a dim in [-2, 1]",
+            lambda: fs(MLPStack(), mesh=mesh, shard_placement_fn=lambda p: Shard(2)),
+        )
+    elif name == "shard_placement_not_shard":
+        raises_exactly(
+            ValueError,
+            "fully_shard: argument 'shard_placement_fn' returned Replicate() for parameter 'layers.0.bias', expected "
+            "None or a Shard placement",
+            lambda: fs(MLPStack(), mesh=mesh, shard_placement_fn=lambda p: Replicate() if p.dim() == 1 else None),
+        )
+    elif name == "shard_placement_uneven_dim":
+        m = MLPStack()
+        m.layers[1] = nn.Linear(9, 8)
+        raises_exactly(
+            NotImplementedError,
+            "fully_shard: argument 'shard_placement_fn' returned Shard(-1) for parameter 'layers.1.weight' of shape "
+            "(8, 9), whose size 9 on dim 1 does not divide evenly over the 2 shard ranks; like torch FSDP2, "
+            "fsdp_native shards a dim other than 0 evenly only",
+            lambda: fs(m, mesh=mesh, shard_placement_fn=lambda p: Shard(-1) if p.dim() == 2 else None),
+        )
+        assert not any(isinstance(p, DTensor) for p in m.parameters()), "a refused fully_shard must leave the module as it was"
     elif name == "forward_with_meta_params":
         with torch.device("meta"):
             m = MLPStack()
@@ -181,6 +210,9 @@ CASES = [
     "scalar_param",
     "container_without_forward",
     "forward_with_meta_params",
+    "shard_placement_bad_dim",
+    "shard_placement_not_shard",
+    "shard_placement_uneven_dim",
 ]
 
 

@@ -53,6 +53,10 @@ def check_parity(**kw) -> None:
 
     model_b = build_fsdp(torch_impl, cfg, mesh)
     model_a = build_fsdp(impl, cfg, mesh)
+    if cfg.shard_dim is not None:  # shard_placement_fn: the same placements and local shards as torch's
+        layout_a, layout_b = _placements(model_a), _placements(model_b)
+        assert layout_a == layout_b, f"placements and local shapes differ from torch's: {layout_a} vs {layout_b}"
+        assert any(f"Shard(dim={cfg.shard_dim % 2})" in v for v in layout_b.values()), layout_b
     init_a, init_b = full_params(model_a), full_params(model_b)
     # Same init on both sides (meta init: same seed; otherwise sharding preserves values).
     for n in init_b:
@@ -97,12 +101,16 @@ def check_parity(**kw) -> None:
     compare(f"[{impl.name} vs unsharded]", res_a, res_r, REF_TOL)
 
 
+def _placements(model) -> dict:
+    return {n: f"{p.placements} {tuple(p.to_local().shape)}" for n, p in model.named_parameters()}
+
+
 # ---------------------------------------------------------------------------
 # Grids (each function is one spawn)
 # ---------------------------------------------------------------------------
 def _ws1_grid():
     run_grid(
-        grid(model=["even", "odd"], mp=[None, "bf16"], reshard=[True, False]),
+        grid(model=["even", "odd"], mp=[None, "bf16"], reshard=[True, False]) + [dict(shard_dim=1, model="odd", mp="bf16")],
         check_parity,
         name="ws1",
     )
@@ -152,6 +160,14 @@ def _ws2_feature_grid():
         dict(divide_factor=8.0, model="odd", optim="sgd"),
         dict(clip=0.05),
         dict(clip=0.05, model="odd", optim="sgd", accum=2),
+        # shard_placement_fn: matrices on dim 1 (-1) where it divides the shard group, the
+        # rest on dim 0, mixed within units (torchtitan shards MoE experts so).
+        dict(shard_dim=1),
+        dict(shard_dim=1, model="odd", mp="bf16", prefetch=True),
+        dict(shard_dim=-1, model="odd", accum=2, reshard=False, clip=0.05),
+        dict(shard_dim=1, offload=True, model="odd", mp="bf16", accum=2),
+        dict(shard_dim=1, meta=True, tied=True, frozen=True),
+        dict(shard_dim=1, nested=True, ac=True, async_unshard=True),
     ]
     run_grid(configs, check_parity, name="ws2-features")
 
@@ -166,6 +182,8 @@ def _ws4_grid():
         dict(mesh="1d", model="odd", reshard=2),
         dict(mesh="1d", model="even", reshard=2, mp="bf16", prefetch=True),
         dict(mesh="1d", model="odd", reshard=True, offload=True),
+        dict(mesh="hsdp", shard_dim=1, model="odd", mp="bf16", accum=2),
+        dict(mesh="1d", shard_dim=1, prefetch=True),
     ]
     run_grid(configs, check_parity, name="ws4")
 
