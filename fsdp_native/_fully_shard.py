@@ -435,11 +435,11 @@ class FSDPModule(_TorchFSDPModule):
         self._unit.post_optim_event = event
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Gradients are divided by ``factor`` instead of the data-parallel world size."""
+        """This unit's gradients are divided by ``factor`` instead of the data-parallel world
+        size (this module's unit only, as in torch FSDP2: not the units below it)."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: argument 'factor' is {factor}, expected a positive number")
-        for u in _units_below(self):
-            u.divide_factor = float(factor)
+        self._unit.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         self.set_gradient_divide_factor(factor)
@@ -490,13 +490,23 @@ class FSDPModule(_TorchFSDPModule):
     def set_custom_reduce_scatter(self, comm) -> None:
         self._not_implemented("set_custom_reduce_scatter")
 
-    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
-        self._not_implemented("set_all_reduce_hook")
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """``hook(reduce_output)`` runs on this unit's reduced flat gradient (in the reduce
+        dtype, the parameters that got a gradient in unit order) after its reduce-scatter, or
+        after the all-reduce with HSDP, before the gradient divide factor and the cast, as in
+        torch FSDP2; in place, e.g. an all-reduce over a replicate group of the user's own.
+        ``stream``: the CUDA stream to run it on (not with HSDP, as in torch)."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: argument 'hook' must be callable, got {type(hook).__name__}")
+        unit = self._unit
+        if stream is not None and unit.info.replicate_group is not None:
+            raise ValueError("set_all_reduce_hook: argument 'stream' cannot be set when using native HSDP (a 2-D mesh)")
+        unit.all_reduce_hook = (hook, stream)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Reduce with SUM only (then divide), for backends without AVG / PREMUL_SUM."""
-        for u in _units_below(self):
-            u.force_sum = bool(enable)
+        """Reduce this unit's gradients with SUM only (then divide), for backends without AVG /
+        PREMUL_SUM (this module's unit only, as in torch FSDP2)."""
+        self._unit.force_sum = bool(enable)
 
     def set_reduce_scatter_unused_params(self, *args, **kwargs) -> None:
         self._not_implemented("set_reduce_scatter_unused_params")

@@ -25,6 +25,7 @@ copy-out copies bytes. Still one collective per unit.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -103,6 +104,7 @@ class Unit:
         self.unshard_in_backward = True
         self.divide_factor: float | None = None
         self.force_sum = False
+        self.all_reduce_hook = None  # (hook, stream) of FSDPModule.set_all_reduce_hook
         # Unsharded gradients accumulated over no-sync micro-batches in the reduce dtype, when
         # that differs from the parameter dtype (bf16 compute, fp32 reduce), as torch does.
         self._accumulated: list[torch.Tensor | None] | None = None
@@ -666,7 +668,9 @@ class Unit:
             return None, factor, _ReduceOp.SUM, _ReduceOp.SUM
         if factor is None:
             factor = float(dp)
-        pre = 1
+        if not overflow_risk:  # sum-only reductions (force_sum) in fp32 / bf16: all after, as torch
+            return None, factor, _ReduceOp.SUM, _ReduceOp.SUM
+        pre = 1  # fp16: about sqrt(factor) before the sum, the rest after
         while factor % pre == 0 and factor / pre > pre:
             pre *= 2
         return float(pre), factor / pre, _ReduceOp.SUM, _ReduceOp.SUM
@@ -762,6 +766,13 @@ class Unit:
                 for hook in list(hooks.values()):
                     hook(sp)
 
+    def _run_all_reduce_hook(self, out: torch.Tensor) -> None:
+        hook, stream = self.all_reduce_hook
+        if stream is not None and out.device.type == "cuda":
+            _run_hook_on(stream, hook, out)
+        else:
+            hook(out)
+
     def _write_reduced(self, out: torch.Tensor, has_grad: list[bool]) -> bool:
         """The sharded gradients from `out`; False when none were written (HSDP without the
         all-reduce: the partial sum is kept for the next backward)."""
@@ -783,6 +794,8 @@ class Unit:
             self.streams.wait_work(work)
             if rec is not None:
                 rec.span("all_reduce", "all_reduce", self.fqn, t0, _trace.now_us(), out.numel() * out.element_size())
+        if self.all_reduce_hook is not None:
+            self._run_all_reduce_hook(out)
         sps = self.sharded_params
         if direct:
             if post is not None:
@@ -791,10 +804,15 @@ class Unit:
                 if h:
                     sp.grad = g
             return True
+        factor = post if post is not None else 1.0
+        if math.frexp(factor)[0] != 0.5:
+            # Not a power of two: the copy-out's multiply by 1 / factor rounds differently from
+            # torch's division (set_gradient_divide_factor(3.0) with sum-only reductions).
+            out.div_(factor)
+            factor = 1.0
         device = self.sharded_flat.device
         if out.device != device:
             out = out.to(device)
-        factor = post if post is not None else 1.0
         accumulate = any(sp.grad is not None for sp, h in zip(sps, has_grad) if h)
         # Fresh gradient buffers only where a parameter gets its first gradient.
         needs_fresh = not accumulate or any(h and sp.grad is None for sp, h in zip(sps, has_grad))
@@ -820,6 +838,16 @@ class Unit:
                 targets.append(sp.grad._local_tensor)
         ops.reduce_scatter_copy_out(out, _with(self.layout.padded, has_grad), _with(targets, has_grad), divide_factor=factor, accumulate=True)
         return True
+
+
+def _run_hook_on(stream, hook, out: torch.Tensor) -> None:
+    """`hook(out)` on `stream` (a CUDA stream), ordered after the work queued so far and before
+    what comes next on the current stream."""
+    current = torch.cuda.current_stream(out.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        hook(out)
+    current.wait_stream(stream)
 
 
 def _with(items: list, has_grad: list[bool]) -> list:
