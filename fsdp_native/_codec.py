@@ -75,9 +75,10 @@ class Codec:
         raise NotImplementedError
 
 
-def copy_out(unit, out: torch.Tensor, segments: list[int], targets: list[torch.Tensor], index: list) -> None:
+def copy_out(unit, out: torch.Tensor, segments: list[int], targets: list[torch.Tensor], index: list | None = None) -> None:
     """``ops.all_gather_copy_out`` of `out` (world-size chunks of `segments`) into `targets`;
-    ``index[k]`` is the parameter of segment k (None for other segments). A parameter sharded
+    ``index[k]`` is the parameter of segment k (None for other segments; no `index`: segment
+    k is parameter k). A parameter sharded
     on a dim other than 0 (``layout.strided``) is not contiguous rank by rank in its unsharded
     tensor: it is skipped there and written by one strided copy from `out`."""
     layout = unit.layout
@@ -86,6 +87,7 @@ def copy_out(unit, out: torch.Tensor, segments: list[int], targets: list[torch.T
         ops.all_gather_copy_out(out, segments, ws, targets)
         return
     strided = set(layout.strided)
+    index = range(len(targets)) if index is None else index
     skip = out[:0]
     ops.all_gather_copy_out(out, segments, ws, [skip if j in strided else t for t, j in zip(targets, index)])
     rows, offset = out.view(ws, -1), 0
@@ -155,7 +157,7 @@ class PlainCodec(Codec):
             return 0
         layout = self.layout
         outs = unit._unsharded_plain + [out[:0]] if layout.ag_tail else unit._unsharded_plain
-        copy_out(unit, out, layout.ag_segments, outs, list(range(len(outs))))
+        copy_out(unit, out, layout.ag_segments, outs)
         return 0
 
     def post_forward_shard(self, unit, first: int, count: int) -> torch.Tensor:

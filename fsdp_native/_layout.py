@@ -6,11 +6,11 @@ parameter's rank-local dim-0 shard, zero padded to its padded shard size), typed
 when the original dtypes differ. A parameter sharded on another dim (``shard_placement_fn``
 returning ``Shard(d)``; d must then divide evenly, as torch FSDP2 requires) holds its
 contiguous chunk of dim d there: all-gathered, rank ``r``'s chunk is ``chunk(ws, dim=d)[r]``,
-which the codecs copy out with one strided copy (:meth:`Layout.by_rank`). The unsharded parameters are views into one flat buffer of
-``unsharded_numel`` elements of ``param_dtype`` (bytes when the unsharded dtypes differ, or
-when tensor-subclass parameters gather their own tensors). Parameters are ordered by element
-size, largest first (:func:`itemsize_order`), so every region of a byte buffer starts aligned
-for its dtype.
+which the codecs copy out with one strided copy (:meth:`Layout.by_rank`). The unsharded
+parameters are views into one flat buffer of ``unsharded_numel`` elements of ``param_dtype``
+(bytes when the unsharded dtypes differ, or when tensor-subclass parameters gather their own
+tensors). Parameters are ordered by element size, largest first (:func:`itemsize_order`), so
+every region of a byte buffer starts aligned for its dtype.
 """
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ class Bucket:
         first = self.entries[0].unit
         ws, dtype, device = first.world_size, first.reduce_dtype, first.device
         pre, _, rs_op, _ = first._divide_factors()
-        padded, grads = [], []
+        padded, grads, offset = [], [], 0
         strided = []  # (offset in a rank's chunk, layout, parameter, gradient): dims other than 0
         for e in self.entries:
             layout = e.unit.layout
@@ -73,10 +73,11 @@ class Bucket:
                 if not h:
                     continue
                 if i in layout.strided:
-                    strided.append((sum(padded), layout, i, g))
-                    g = g[:0]  # its slots are zeroed, then written by strided_copy_in
+                    strided.append((offset, layout, i, g))
+                    g = g[:0]  # its slots are zeroed, then written by _strided_copy_in
                 padded.append(n)
                 grads.append(g)
+                offset += n
             e.grads.clear()  # the caller's list too: `grads` below is then their only owner
             e.grads = None
         total = sum(e.total for e in self.entries)
