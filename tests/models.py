@@ -219,6 +219,25 @@ class BlockStack(nn.Module):
         return self.out(h)
 
 
+def train_steps(model, steps: int = 3, accum: int = 1, batch: int = 6, dtype=torch.float32) -> list[float]:
+    """AdamW steps (lr 1e-2) of a BlockStack-shaped model on this rank's own random inputs of 4
+    features (generator seed 10 + rank), the loss the output's mean square; with `accum`
+    micro-batches, gradient sync is off but on the last. Returns the losses."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        for micro in range(accum):
+            if accum > 1:
+                model.set_requires_gradient_sync(micro == accum - 1)
+            loss = model(torch.randn(batch, 4, generator=gen).to(dtype)).float().pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 # ---------------------------------------------------------------------------
 # Sharding / training configurations shared by the test files
 # ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
-from models import BlockStack
+from models import BlockStack, train_steps
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -65,19 +65,7 @@ def _train(impl, kind: str, mp: bool, accum: int, frozen: bool, factor: float | 
         for m in model.modules():
             if isinstance(m, impl.FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    # The replicas' data: each replica (and each shard rank) its own batch.
-    gen = torch.Generator().manual_seed(10 + dist.get_rank())
-    losses = []
-    for _ in range(2):
-        for micro in range(accum):
-            if accum > 1:
-                model.set_requires_gradient_sync(micro == accum - 1)
-            loss = model(torch.randn(5, 4, generator=gen)).float().pow(2).mean()
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(model, 2, accum, batch=5)  # each rank (each replica too) its own batch
     return dict(losses=losses, params=full_params(model), calls=calls)
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
-from models import BlockStack
+from models import BlockStack, train_steps
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -61,19 +61,7 @@ def _train(impl, mesh, mp: str | None, reshard: bool, accum: int, dim: int, trai
     for b in model.blocks:
         impl.fully_shard(b, **kw)
     impl.fully_shard(model, **kw)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    gen = torch.Generator().manual_seed(10 + dist.get_rank())
-    losses = []
-    for _ in range(3):
-        for micro in range(accum):
-            if accum > 1:
-                model.set_requires_gradient_sync(micro == accum - 1)
-            x = torch.randn(6, 4, generator=gen)
-            loss = model(x).float().pow(2).mean()
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(model, accum=accum)
     return dict(losses=losses, params=full_params(model))
 
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
-from models import BlockStack
+from models import BlockStack, train_steps
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -89,18 +89,7 @@ def _train(impl, mesh, variant: str, accum: int, reduce_dtype, steps: int = 3, p
     # The root has no fp32-kept parameters: its reduce dtype is set, except in 'plain'.
     root_reduce = reduce_dtype if variant == "plain" else torch.float32
     impl.fully_shard(model, mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=root_reduce), **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(10 + dist.get_rank())
-    losses = []
-    for _ in range(steps):
-        for micro in range(accum):
-            if accum > 1:
-                model.set_requires_gradient_sync(micro == accum - 1)
-            loss = model(torch.randn(5, 4, generator=gen)).float().pow(2).mean()
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(model, steps, accum, batch=5)
     return dict(losses=losses, params=full_params(model))
 
 

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from dist_utils import assert_close, full, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from models import BlockStack, train_steps
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -59,18 +60,9 @@ class MoEBlock(nn.Module):
         return x + self.experts(h, torch.softmax(self.router(h).float(), dim=-1))
 
 
-class MoE(nn.Module):
+class MoE(BlockStack):
     def __init__(self, n_experts=2, dim=8, hidden=12, n=2):
-        super().__init__()
-        self.inp = nn.Linear(4, dim)
-        self.blocks = nn.ModuleList(MoEBlock(n_experts, dim, hidden) for _ in range(n))
-        self.out = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.out(h)
+        super().__init__(lambda: MoEBlock(n_experts, dim, hidden), dim, n)
 
 
 def experts_fn(dim: int, ws: int):
@@ -88,19 +80,8 @@ def _placements(model) -> dict:
     return {n: f"{p.placements} {tuple(p.to_local().shape)}" for n, p in model.named_parameters()}
 
 
-def _train(model, steps: int = 3, accum: int = 1, lr: float = 1e-2, dtype=torch.float32) -> dict:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    gen = torch.Generator().manual_seed(10 + dist.get_rank())
-    losses = []
-    for _ in range(steps):
-        for micro in range(accum):
-            if accum > 1:
-                model.set_requires_gradient_sync(micro == accum - 1)
-            loss = model(torch.randn(6, 4, generator=gen).to(dtype)).float().pow(2).mean()
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+def _train(model, steps: int = 3, accum: int = 1) -> dict:
+    losses = train_steps(model, steps, accum)
     # The parameters (frozen tensor-subclass weights aside: torchao's NF4 cannot be cloned whole).
     params = {n: full(p) for n, p in model.named_parameters() if type(p.to_local()) is torch.Tensor}
     return dict(losses=losses, params=params)
