@@ -22,6 +22,7 @@ re-import the script first, so they see the same setting).
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import os
 import platform
@@ -66,8 +67,6 @@ def load_impl(name: str) -> Impl:
     (``torch@dim1``) shards every matrix on dim d (``shard_placement_fn``) where d divides
     evenly over the ranks; a ``+compile`` suffix (``torch+compile``, ``fsdp_native+compile``)
     compiles every block before its ``fully_shard``."""
-    import functools
-
     name_, plus, extra = name.partition("+")
     if plus and extra != "compile":
         raise ValueError(f"implementation '{name}': unknown suffix '+{extra}', expected '+compile'")

@@ -282,6 +282,7 @@ class QuantCodec(Codec):
         self.plain_padded = (
             [self.q_bytes // itemsize] + [layout.ag_padded[i] for i in self.plain] + ([self.tail // itemsize] if self.tail else [])
         )
+        self.plain_index = [None] + self.plain + ([None] if self.tail else [])  # parameter of each segment
         self.empty = torch.empty(0, dtype=layout.param_dtype, device=device)
         self._zero_others: bool | None = None  # decided at the first all-gather (the group's backend)
 
@@ -341,8 +342,7 @@ class QuantCodec(Codec):
         )
         if self.plain:
             targets = [self.empty] + [outs[i] for i in self.plain] + ([self.empty] if self.tail else [])
-            index = [None] + self.plain + ([None] if self.tail else [])
-            copy_out(unit, out.view(layout.param_dtype), self.plain_padded, targets, index)
+            copy_out(unit, out.view(layout.param_dtype), self.plain_padded, targets, self.plain_index)
         return 0
 
 

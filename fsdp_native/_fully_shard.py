@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_native import _extension
 from fsdp_native._api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -223,8 +224,6 @@ def _shard_dims(fn, params: list, names: list[str], info) -> list[int]:
     reads it: ``Shard(d)`` with d counted from the end when negative, or (torch 2.13+) a
     ``ShardPlacementResult`` whose mesh is the unit's. A dim other than 0 must divide evenly
     over the shard group (torch FSDP2 pads dim 0 only)."""
-    from fsdp_native import _extension
-
     dims = []
     for p, name in zip(params, names):
         result = None if fn is None else fn(p)

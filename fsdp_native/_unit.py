@@ -767,11 +767,17 @@ class Unit:
                     hook(sp)
 
     def _run_all_reduce_hook(self, out: torch.Tensor) -> None:
+        """The all-reduce hook on `out`; on its CUDA stream when it has one, ordered after the
+        work queued so far and before what comes next on the current stream."""
         hook, stream = self.all_reduce_hook
-        if stream is not None and out.device.type == "cuda":
-            _run_hook_on(stream, hook, out)
-        else:
+        if stream is None or out.device.type != "cuda":
             hook(out)
+            return
+        current = torch.cuda.current_stream(out.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            hook(out)
+        current.wait_stream(stream)
 
     def _write_reduced(self, out: torch.Tensor, has_grad: list[bool]) -> bool:
         """The sharded gradients from `out`; False when none were written (HSDP without the
@@ -838,16 +844,6 @@ class Unit:
                 targets.append(sp.grad._local_tensor)
         ops.reduce_scatter_copy_out(out, _with(self.layout.padded, has_grad), _with(targets, has_grad), divide_factor=factor, accumulate=True)
         return True
-
-
-def _run_hook_on(stream, hook, out: torch.Tensor) -> None:
-    """`hook(out)` on `stream` (a CUDA stream), ordered after the work queued so far and before
-    what comes next on the current stream."""
-    current = torch.cuda.current_stream(out.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        hook(out)
-    current.wait_stream(stream)
 
 
 def _with(items: list, has_grad: list[bool]) -> list:

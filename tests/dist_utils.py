@@ -701,6 +701,11 @@ def full_params(model) -> dict:
     return {n: full(p).detach().clone() for n, p in model.named_parameters()}
 
 
+def placements_of(model) -> dict:
+    """Each parameter's DTensor placements and local shape, as text (to compare libraries)."""
+    return {n: f"{p.placements} {tuple(p.to_local().shape)}" for n, p in model.named_parameters()}
+
+
 def assert_close(what: str, a, b, tol: dict) -> None:
     """allclose with a message carrying the magnitude of the mismatch."""
     import torch

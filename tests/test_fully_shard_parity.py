@@ -18,7 +18,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dist_utils import assert_close, full, full_params, grid, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from dist_utils import (
+    assert_close,
+    full,
+    full_params,
+    grid,
+    load_impl,
+    placements_of,
+    raises_exactly,
+    ref_impl,
+    run_distributed,
+    run_grid,
+)
 from models import Cfg, Transformer, build_fsdp, freeze_some, make_mesh, train_fsdp, train_reference
 
 # A (impl under test) vs B (torch FSDP2), fp32.
@@ -54,7 +65,7 @@ def check_parity(**kw) -> None:
     model_b = build_fsdp(torch_impl, cfg, mesh)
     model_a = build_fsdp(impl, cfg, mesh)
     if cfg.shard_dim is not None:  # shard_placement_fn: the same placements and local shards as torch's
-        layout_a, layout_b = _placements(model_a), _placements(model_b)
+        layout_a, layout_b = placements_of(model_a), placements_of(model_b)
         assert layout_a == layout_b, f"placements and local shapes differ from torch's: {layout_a} vs {layout_b}"
         assert any(f"Shard(dim={cfg.shard_dim % 2})" in v for v in layout_b.values()), layout_b
     init_a, init_b = full_params(model_a), full_params(model_b)
@@ -99,10 +110,6 @@ def check_parity(**kw) -> None:
             )
         return
     compare(f"[{impl.name} vs unsharded]", res_a, res_r, REF_TOL)
-
-
-def _placements(model) -> dict:
-    return {n: f"{p.placements} {tuple(p.to_local().shape)}" for n, p in model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------

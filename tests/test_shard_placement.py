@@ -25,7 +25,17 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from dist_utils import assert_close, full, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from dist_utils import (
+    assert_close,
+    full,
+    full_params,
+    load_impl,
+    placements_of,
+    raises_exactly,
+    ref_impl,
+    run_distributed,
+    run_grid,
+)
 from models import BlockStack, train_steps
 
 EXACT = dict(rtol=0, atol=0)
@@ -76,10 +86,6 @@ def experts_fn(dim: int, ws: int):
     return fn
 
 
-def _placements(model) -> dict:
-    return {n: f"{p.placements} {tuple(p.to_local().shape)}" for n, p in model.named_parameters()}
-
-
 def _train(model, steps: int = 3, accum: int = 1) -> dict:
     losses = train_steps(model, steps, accum)
     # The parameters (frozen tensor-subclass weights aside: torchao's NF4 cannot be cloned whole).
@@ -107,7 +113,7 @@ def _moe(impl, mesh, dim: int, mp: bool, reshard, accum: int, n_experts: int = 2
         impl.fully_shard(b, **kw)
     impl.fully_shard(model, **kw)
     res = _train(model, accum=accum)
-    res["placements"] = _placements(model)
+    res["placements"] = placements_of(model)
     return res
 
 
@@ -209,7 +215,7 @@ def _lora(impl, base: str, reshard: bool) -> dict:
         impl.fully_shard(b, **kw)
     impl.fully_shard(model, **kw)
     res = _train(model)
-    res["placements"] = _placements(model)
+    res["placements"] = placements_of(model)
     return res
 
 
@@ -258,7 +264,7 @@ def check_quantized(fmt: str) -> None:
         for i in range(2):  # the first forward: the adapter exact, the base weight quantized
             assert torch.equal(seen[i][0], full_a[i]), f"block {i}: the dim-1 adapter must be gathered unquantized"
             assert not torch.equal(seen[i][1], full_base[i]), f"block {i}: the base weight must be gathered {fmt}"
-        res["placements"] = _placements(model)
+        res["placements"] = placements_of(model)
         return res
 
     def record(seen, i, m, args):  # a unit's own pre-hook has run: the parameters are unsharded
@@ -286,7 +292,7 @@ def check_convert_after_shard() -> None:
         impl.fully_shard(model, **kw)
         model.to(torch.float32)
         res = _train(model)
-        res["placements"] = _placements(model)
+        res["placements"] = placements_of(model)
         return res
 
     a, b = run(impl), run(torch_impl)
@@ -353,7 +359,7 @@ def check_shard_placement_result() -> None:
             impl.fully_shard(b, mesh=mesh, shard_placement_fn=fn)
         impl.fully_shard(model, mesh=mesh, shard_placement_fn=fn)
         res = _train(model)
-        res["placements"] = _placements(model)
+        res["placements"] = placements_of(model)
         return res
 
     a, b = run(impl, FSDPMeshInfo(mesh, shard_mesh_dim=0)), run(torch_impl, FSDPMeshInfo(mesh, shard_mesh_dim=0))
