@@ -18,18 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dist_utils import (
-    assert_close,
-    full,
-    full_params,
-    grid,
-    load_impl,
-    placements_of,
-    raises_exactly,
-    ref_impl,
-    run_distributed,
-    run_grid,
-)
+from dist_utils import assert_close, full, full_params, grid, load_impl, placements_of, raises_exactly, ref_impl, run_distributed, run_grid
 from models import Cfg, Transformer, build_fsdp, freeze_some, make_mesh, train_fsdp, train_reference
 
 # A (impl under test) vs B (torch FSDP2), fp32.

@@ -25,17 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from dist_utils import (
-    assert_close,
-    full,
-    full_params,
-    load_impl,
-    placements_of,
-    raises_exactly,
-    ref_impl,
-    run_distributed,
-    run_grid,
-)
+from dist_utils import assert_close, full, full_params, load_impl, placements_of, raises_exactly, ref_impl, run_distributed, run_grid
 from models import BlockStack, train_steps
 
 EXACT = dict(rtol=0, atol=0)
