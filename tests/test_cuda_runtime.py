@@ -109,7 +109,7 @@ def _impls():
     return {"torch": torch_fsdp, "fsdp_native": fsdp_native}
 
 
-def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = False) -> dict:
+def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = False, hook: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -128,6 +128,16 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = Fals
     for layer in model.layers:
         impl.fully_shard(layer, **kw)
     impl.fully_shard(model, **kw)
+    hook_streams = []
+    if hook:  # an all-reduce hook on a stream of its own: it halves each reduced gradient
+        side = torch.cuda.Stream()
+
+        def halve(out):
+            hook_streams.append(torch.cuda.current_stream() == side)
+            out.mul_(0.5)
+
+        for m in [*model.layers, model]:
+            m.set_all_reduce_hook(halve, stream=side)
     where = "cpu" if offload else "cuda"
     if meta:  # offloaded shards are materialized on the CPU, as torch FSDP2 asks
         model.to_empty(device=where)
@@ -156,16 +166,18 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = Fals
     # One rank: the local shard is the whole parameter (an offloaded one is on the CPU, which
     # NCCL cannot gather).
     params = {n: p.to_local().detach().cpu() for n, p in model.named_parameters()}
+    if hook:  # once per unit and backward, each time on the hook's stream
+        assert hook_streams == [True] * (STEPS * (len(model.layers) + 1)), f"{impl.__name__}: {hook_streams}"
     return {"losses": torch.stack(losses), "params": params}
 
 
-def _compare(model: str, mp: bool, reshard: bool, meta: bool, offload: bool = False) -> None:
+def _compare(model: str, mp: bool, reshard: bool, meta: bool, offload: bool = False, hook: bool = False) -> None:
     from models import EVEN, ODD
 
     args = EVEN if model == "even" else ODD
     impls = _impls()
-    ref = _train(impls["torch"], args, mp, reshard, meta, offload)
-    got = _train(impls["fsdp_native"], args, mp, reshard, meta, offload)
+    ref = _train(impls["torch"], args, mp, reshard, meta, offload, hook)
+    got = _train(impls["fsdp_native"], args, mp, reshard, meta, offload, hook)
     assert got["params"].keys() == ref["params"].keys()
     if mp:  # bf16 compute: rounding differences (another kernel for another alignment) stay small
         tol = dict(rtol=2e-2, atol=1e-3)
@@ -192,6 +204,8 @@ def _parity_grid() -> list[str]:
         dict(model="odd", mp=True, reshard=False, meta=True),
         dict(model="even", mp=False, reshard=True, meta=False, offload=True),
         dict(model="even", mp=True, reshard=True, meta=True, offload=True),
+        dict(model="even", mp=False, reshard=True, meta=False, hook=True),
+        dict(model="even", mp=True, reshard=False, meta=False, hook=True),
     ]
     return grid_failures(configs, _compare)
 
