@@ -55,7 +55,7 @@ def groups(smoke: bool) -> dict[str, tuple[list[str], list[dict]]]:
             if 4 <= s["BLOCK"] // (32 * s["FP8_WARPS"]) <= 64
         ]),
         "amax": (["quantize_amax", "quantize fp8_tensorwise"], _settings(AMAX_TILES=[1, 2, 4, 8], AMAX_WARPS=[2, 4, 8, 16])),
-        "fp8_rowwise rows": (["quantize fp8_rowwise"], _settings(ROW_STEPS=[1, 2, 4], ROW_ELEMS=[4096, 8192], ROW_WARP_ELEMS=[256, 512])),
+        "fp8_rowwise rows": (["quantize fp8_rowwise"], _settings(ROW_ELEMS=[4096, 8192], ROW_WARP_ELEMS=[256, 512])),
     }
     if smoke:
         g = {k: (ops, sets[:1]) for k, (ops, sets) in g.items()}

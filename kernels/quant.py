@@ -55,13 +55,12 @@ ROW_ELEMS = 4096
 # dequantize of each format takes tiles of up to DEQ_SHAPES[format][0] elements (fp8_rowwise:
 # within rows) in up to DEQ_SHAPES[format][1] warps, at least 8 elements a thread. Picked on an
 # H200 (BENCHMARKS.md, "Launch shapes"): the programs' fixed work weighs against both more
-# warps and smaller tiles. fp8_tensorwise's (2048, 1) compiles to fp8_rowwise's SASS, which
-# ran at 88 % of the floor there (see _dequantize_kernel); not yet timed itself.
+# warps and smaller tiles. fp8_tensorwise's (2048, 1) compiles to fp8_rowwise's SASS (see
+# _dequantize_kernel): 92 % of the floor there.
 AMAX_WARPS = 4
 FP8_WARPS = 4
 NF4_WARPS = 2
 ROW_WARP_ELEMS = 512
-ROW_STEPS = 1  # row groups a whole-row fp8_rowwise program takes in turn (more: not yet timed)
 DEQ_SHAPES = {"fp8_tensorwise": (2048, 1), "fp8_rowwise": (2048, 1), "nf4": (4096, 4)}
 
 # Whether kernels on GPUs of compute capability 8.9 and up round fp32 to e4m3 and bf16, and
@@ -412,31 +411,16 @@ def _rows_encode(x, CVT: tl.constexpr):
 
 
 @triton.jit
-def _rows_load(src, lo, numel, n_rows, g, e, tiles, i, SRC: tl.constexpr, R: tl.constexpr, HINT: tl.constexpr,
-               V: tl.constexpr, EXACT: tl.constexpr, row):  # fmt: skip
-    """Row group ``g`` (R rows from element ``lo``) of a source, as loaded (not widened): a
-    group wholly within the data unmasked (EXACT) or masked by the rows' tiles; else the last
-    rows of data, padding rows or a row that the shard's end cuts, masked, as zeros."""
-    if lo + R * row <= numel:
-        if EXACT:
-            x = tl.load(_src_ptrs(src + lo * (16 // V), e, SRC, HINT, V))
-        else:
-            x = tl.load(_src_ptrs(src + lo * (16 // V), e, SRC, HINT, V), mask=tiles, other=0)
-    else:
-        x = tl.load(_src_ptrs(src, lo + e, SRC), mask=tiles & (g * R + i < n_rows) & (lo + e < numel), other=0)
-    return x
-
-
-@triton.jit
 def _fp8_rows_kernel(
     meta, starts, out, n_params,
     SRC: tl.constexpr, LOG2: tl.constexpr, R: tl.constexpr, TPR: tl.constexpr, TB: tl.constexpr, V: tl.constexpr,
-    HINT: tl.constexpr, EXACT: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr, STEPS: tl.constexpr = 1,
+    HINT: tl.constexpr, EXACT: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr,
 ):  # fmt: skip
-    """fp8_rowwise, STEPS groups of R whole rows per program, each held in registers: a row as
-    up to TPR tiles of TB elements (TB divides every row of the launch; EXACT: every row is TPR
-    tiles). A group's rows are loaded at once, then each row's amax (one reduction), scale and
-    codes, with no second read; the next group's load is issued before this one's reduction.
+    """fp8_rowwise, R whole rows per program, held in registers: a row as up to TPR tiles of TB
+    elements (TB divides every row of the launch; EXACT: every row is TPR tiles). The rows are
+    loaded at once, then each row's amax (one reduction), scale and codes, with no second read.
+    (A program taking 2 or 4 such groups in turn, each group's load issued before the one
+    before is encoded, ran at 25-40 % of the floor on an H200 against this kernel's 46 %.)
     Rows past the shard's data (padding), and a row's elements past it, read as zeros: codes 0
     and scale 1. Column 10 of the table holds the parameter's rows."""
     pid = tl.program_id(0).to(tl.int64)
@@ -447,47 +431,26 @@ def _fp8_rows_kernel(
     n_rows = _load_meta(meta, p, 10)
     i = tl.arange(0, R)[:, None, None]
     k = tl.arange(0, TPR)[None, :, None]
-    e = i * row + k * TB + tl.arange(0, TB)[None, None, :]  # elements of a group's rows, from its first
+    e = i * row + k * TB + tl.arange(0, TB)[None, None, :]  # elements of the rows, from the first
     tiles = k < row // TB  # the row's tiles (a mask constant along each tile)
     codes = out + _load_meta(meta, p, 4)
-    if STEPS == 1:  # the kernel as timed, its SASS unchanged; one of the two paths goes once STEPS > 1 is timed
-        lo = t * R * row  # the program's first element
-        if lo + R * row <= numel:  # R rows of data
-            ptrs = _src_ptrs(src + lo * (16 // V), e, SRC, HINT, V)
-            cptrs = _byte_ptrs(codes + lo, e, HINT, V)
-            if EXACT:
-                scale, c = _rows_encode(_widen(tl.load(ptrs), SRC), CVT)
-                tl.store(cptrs, c)
-            else:
-                scale, c = _rows_encode(_widen(tl.load(ptrs, mask=tiles, other=0), SRC), CVT)
-                tl.store(cptrs, c, mask=tiles)
-        else:  # the last rows of data, padding rows, or a row that the shard's end cuts
-            in_rows = tiles & (t * R + i < n_rows)
-            scale, c = _rows_encode(_widen(tl.load(_src_ptrs(src, lo + e, SRC), mask=in_rows & (lo + e < numel), other=0), SRC), CVT)
-            tl.store(codes + (lo + e), c, mask=in_rows)
-        r = t * R + tl.arange(0, R)
-        _store_scales(out + _load_meta(meta, p, 6), r, scale, r < n_rows, SA)
-    else:
-        x = _rows_load(src, t * STEPS * R * row, numel, n_rows, t * STEPS, e, tiles, i, SRC, R, HINT, V, EXACT, row)
-        for j in tl.static_range(STEPS):
-            g = t * STEPS + j
-            lo = g * R * row  # the group's first element
-            if j + 1 < STEPS:
-                x_next = _rows_load(src, lo + R * row, numel, n_rows, g + 1, e, tiles, i, SRC, R, HINT, V, EXACT, row)
-            scale, c = _rows_encode(_widen(x, SRC), CVT)
-            if lo + R * row <= numel:
-                cptrs = _byte_ptrs(codes + lo, e, HINT, V)
-                if EXACT:
-                    tl.store(cptrs, c)
-                else:
-                    tl.store(cptrs, c, mask=tiles)
-            else:
-                tl.store(codes + (lo + e), c, mask=tiles & (g * R + i < n_rows))
-            r = g * R + tl.arange(0, R)
-            _store_scales(out + _load_meta(meta, p, 6), r, scale, r < n_rows, SA)
-            if j + 1 < STEPS:
-                x = x_next
-    _zero_gaps_if(out, meta, p, (t * STEPS + STEPS) * R >= n_rows)
+    lo = t * R * row  # the program's first element
+    if lo + R * row <= numel:  # R rows of data
+        ptrs = _src_ptrs(src + lo * (16 // V), e, SRC, HINT, V)
+        cptrs = _byte_ptrs(codes + lo, e, HINT, V)
+        if EXACT:
+            scale, c = _rows_encode(_widen(tl.load(ptrs), SRC), CVT)
+            tl.store(cptrs, c)
+        else:
+            scale, c = _rows_encode(_widen(tl.load(ptrs, mask=tiles, other=0), SRC), CVT)
+            tl.store(cptrs, c, mask=tiles)
+    else:  # the last rows of data, padding rows, or a row that the shard's end cuts
+        in_rows = tiles & (t * R + i < n_rows)
+        scale, c = _rows_encode(_widen(tl.load(_src_ptrs(src, lo + e, SRC), mask=in_rows & (lo + e < numel), other=0), SRC), CVT)
+        tl.store(codes + (lo + e), c, mask=in_rows)
+    r = t * R + tl.arange(0, R)
+    _store_scales(out + _load_meta(meta, p, 6), r, scale, r < n_rows, SA)
+    _zero_gaps_if(out, meta, p, (t + 1) * R >= n_rows)
 
 
 @triton.jit
@@ -787,7 +750,7 @@ def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_La
     """fp8_rowwise with whole rows in registers, for rows of at most ROW_FUSE_MAX elements: one
     launch per source dtype and row width (the power of two at or above a row), its rows as
     tiles of the largest power of two (up to BLOCK) that divides them all; ROW_ELEMS // width
-    rows a group, or one, and ROW_STEPS groups a program."""
+    rows a program, or one."""
     launches = []
     for dtype, idx in _groups(shards).items():
         widths: dict[int, list[int]] = {}
@@ -801,12 +764,12 @@ def _fp8_rows_launches(shards, padded_numels, row_numels, segs, out) -> list[_La
             n_rows = [padded_numels[i] // row_numels[i] for i in sub]
             rows = [_meta_row(shards[i].data_ptr(), shards[i].numel(), padded_numels[i], row_numels[i], segs[i], 0, m)
                     for i, m in zip(sub, n_rows)]  # fmt: skip
-            meta, starts, n = _launch_tables(rows, [-(-m // (per * ROW_STEPS)) for m in n_rows], out.device)
+            meta, starts, n = _launch_tables(rows, [-(-m // per) for m in n_rows], out.device)
             hint = tb % v == 0 and _aligned(out.data_ptr(), *(shards[i].data_ptr() for i in sub))
             launches.append(_Launch(_fp8_rows_kernel, n, meta, starts, ("out", len(sub)), dict(
                 SRC=_KIND[dtype], LOG2=_log2(len(sub)), R=per, TPR=rb // tb, TB=tb, V=v, HINT=hint,
                 EXACT=all(row_numels[i] == rb for i in sub), CVT=_cvt(out.device), SA=_aligned(out.data_ptr(), to=4),
-                STEPS=ROW_STEPS, num_warps=max(1, min(16, per * rb // ROW_WARP_ELEMS)), **_OPTS,
+                num_warps=max(1, min(16, per * rb // ROW_WARP_ELEMS)), **_OPTS,
             )))  # fmt: skip
     return launches
 

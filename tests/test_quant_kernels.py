@@ -621,7 +621,6 @@ def triton_main() -> None:
     triton_alignment_claims()
     triton_random_units()
     triton_cvt_compare()
-    triton_row_steps()
     print("triton: all equal")
 
 
@@ -1044,29 +1043,6 @@ def _off(t: torch.Tensor, misaligned: bool) -> torch.Tensor:
     buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
     buf[1:].copy_(t.reshape(-1))
     return buf[1:].view(t.shape)
-
-
-def triton_row_steps() -> None:
-    """fp8_rowwise's whole-row programs taking several row groups in turn, each group's load
-    issued before the one before is encoded (ROW_STEPS, a launch shape the GPU tune tries):
-    the same bits as C++, at 2 and 3 ranks, aligned and not, over units whose last program
-    has groups partly and wholly past the rows (padding rows), rows of several widths and
-    tile counts, short shards."""
-    from fsdp_native.kernels import quant as K
-
-    gen = torch.Generator().manual_seed(11)
-    was = K.ROW_STEPS
-    try:
-        for steps in (2, 3):
-            K.ROW_STEPS = steps
-            K._PLANS.clear()
-            for ws in (2, 3):
-                fulls = [make_values((13, 1000), bf16, gen, special=True), make_values((5, 96), f32, gen, scale=1e-3),
-                         make_values((9, 2), bf16, gen), make_values((24, 1024), bf16, gen)]  # fmt: skip
-                _triton_round_trip(torch.device("cpu"), fulls, ws, Q.FP8_ROWWISE, (bf16,), misaligned=ws == 3)
-    finally:
-        K.ROW_STEPS = was
-        K._PLANS.clear()
 
 
 def _triton_vs_cpp_unit(dev, shapes, gen, misaligned: bool) -> None:
