@@ -56,6 +56,15 @@ def groups(smoke: bool) -> dict[str, tuple[list[str], list[dict]]]:
         ]),
         "amax": (["quantize_amax", "quantize fp8_tensorwise"], _settings(AMAX_TILES=[1, 2, 4, 8], AMAX_WARPS=[2, 4, 8, 16])),
         "fp8_rowwise rows": (["quantize fp8_rowwise"], _settings(ROW_ELEMS=[4096, 8192], ROW_WARP_ELEMS=[256, 512])),
+        # NF4's alone (since each element gathers its block's value, its best shape may differ).
+        "nf4 dequantize": (["dequantize nf4"], [
+            {"DEQ_SHAPES": {"fp8_tensorwise": (2048, 1), "fp8_rowwise": (2048, 1), "nf4": (b, w)}}
+            for b in (1024, 2048, 4096, 8192, 16384) for w in (1, 2, 4, 8, 16) if 8 <= b // (32 * w) <= 128 and (b, w) != (4096, 4)
+        ]),
+        # Rows longer than ROW_FUSE_MAX take the amax pass and then the codes (two launches).
+        "fp8_rowwise two launches": (["quantize fp8_rowwise"], [
+            dict(ROW_FUSE_MAX=8192), *_settings(ROW_FUSE_MAX=[0], BLOCK=[2048, 4096], FP8_WARPS=[2, 4, 8]),
+        ]),
     }
     if smoke:
         g = {k: (ops, sets[:1]) for k, (ops, sets) in g.items()}
