@@ -507,8 +507,18 @@ class FSDPModule(_TorchFSDPModule):
         PREMUL_SUM (this module's unit only, as in torch FSDP2)."""
         self._unit.force_sum = bool(enable)
 
-    def set_reduce_scatter_unused_params(self, *args, **kwargs) -> None:
-        self._not_implemented("set_reduce_scatter_unused_params")
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Whether parameters that require grad but got no gradient in a backward are reduced
+        as zeros, so every rank reduces the same parameters when ranks use different ones
+        (conditional computation: mixture of experts, multi-modal models), as in torch FSDP2.
+        Such a parameter then gets a zero gradient where it would have none."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise TypeError(
+                "set_reduce_scatter_unused_params: argument 'reduce_scatter_unused_params' must be a bool, "
+                f"got {type(reduce_scatter_unused_params).__name__}"
+            )
+        for u in self._targets(recurse):
+            u.reduce_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, *args, **kwargs) -> None:
         self._not_implemented("set_reduce_scatter_max_input_buffers")

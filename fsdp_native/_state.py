@@ -70,9 +70,17 @@ class RootContext:
         self.callback_queued = False
         # Reverse forward order first (the order the backward would have reached them), then any
         # other unit; post_backward is a no-op for units already done. Every rank runs the same
-        # order, so the reductions it issues match.
+        # order, so the reductions it issues match. With set_reduce_scatter_unused_params, a unit
+        # that the backward did not reach reduces zeros, as in torch FSDP2, if it was ever
+        # unsharded.
         for u in [*reversed(self.forward_order), *self.units]:
-            u.post_backward()
+            if u.reduce_unused and not u.backward_reached and u.unsharded_params:
+                u.backward_reached = True
+                u.post_backward(unused=True)
+            else:
+                u.post_backward()
+        for u in self.units:
+            u.backward_reached = False
         self.reducer.finish_all()
         for u in self.units:
             u.release_pending()
@@ -199,6 +207,7 @@ def pre_backward(unit: Unit) -> None:
     ctx: RootContext = unit.ctx
     ctx.begin_backward()
     unit.needs_post_backward = True
+    unit.backward_reached = True
     if unit.unshard_in_backward:
         unit.unshard()
     _prefetch(unit.backward_prefetch, ctx.prev_forward.get(unit), backward=True)

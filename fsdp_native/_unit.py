@@ -144,6 +144,10 @@ class Unit:
         self.pending_rs = None
         self.partial_reduce: torch.Tensor | None = None
         self.needs_post_backward = False
+        # set_reduce_scatter_unused_params: gradients of the parameters that require grad but
+        # got none are reduced as zeros.
+        self.reduce_unused = False
+        self.backward_reached = False  # pre-backward ran in this backward
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None
         self._pf_shard_in_flight: torch.Tensor | None = None  # input of an in-flight all-gather: kept alive
@@ -675,10 +679,12 @@ class Unit:
             pre *= 2
         return float(pre), factor / pre, _ReduceOp.SUM, _ReduceOp.SUM
 
-    def post_backward(self) -> None:
+    def post_backward(self, unused: bool = False) -> None:
         """Hands this unit's unsharded gradients to the reducer (or keeps them when gradient
-        sync is off, to accumulate over micro-batches) and reshards the parameters."""
-        if not self.needs_post_backward:
+        sync is off, to accumulate over micro-batches) and reshards the parameters. `unused`:
+        the end of a backward that did not reach this unit, whose gradients are then reduced
+        as zeros (set_reduce_scatter_unused_params)."""
+        if not (self.needs_post_backward or unused):
             return
         self.needs_post_backward = False
         rec = _trace.active
@@ -687,7 +693,7 @@ class Unit:
             self._t_compute = None
         if self.pending_rs is not None:
             self.finish_reduce()
-        if not self.is_unsharded:
+        if not (self.is_unsharded or unused):
             return
         ups = self.unsharded_params
         if self.reshard_after_backward:
@@ -712,6 +718,8 @@ class Unit:
         else:
             grads = [acc[i] if acc is not None and acc[i] is not None else p.grad for i, p in enumerate(ups)]
             self._accumulated = acc = None  # `grads` holds the accumulations now, and only it
+            if self.reduce_unused:
+                grads = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None and p.requires_grad else g for g, p in zip(grads, ups)]
             has_grad = [g is not None for g in grads]
             if self.policy_reduce_dtype is None and any(has_grad):
                 self._check_grad_dtypes(grads)
