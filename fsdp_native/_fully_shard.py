@@ -520,6 +520,22 @@ class FSDPModule(_TorchFSDPModule):
         for u in self._targets(recurse):
             u.reduce_unused = reduce_scatter_unused_params
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Whether resharding keeps the unsharded parameters' storage (as torch FSDP2 2.15): their
+        data pointers then stay the same from one unshard to the next (CUDA graph capture), at
+        the cost of holding the unsharded bytes between unshards. The parameters registered on
+        the modules are still the sharded ones after a reshard."""
+        if not isinstance(keep, bool):
+            raise TypeError(f"set_keep_unsharded_storage: argument 'keep' must be a bool, got {type(keep).__name__}")
+        for u in self._targets(recurse):
+            u.keep_unsharded = keep
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        self._not_implemented("set_manual_backward_finalization")
+
+    def finalize_backward(self, *, async_op: bool = False):
+        self._not_implemented("finalize_backward")
+
     def set_reduce_scatter_max_input_buffers(self, *args, **kwargs) -> None:
         self._not_implemented("set_reduce_scatter_max_input_buffers")
 

@@ -147,6 +147,7 @@ class Unit:
         # set_reduce_scatter_unused_params: gradients of the parameters that require grad but
         # got none are reduced as zeros.
         self.reduce_unused = False
+        self.keep_unsharded = False  # set_keep_unsharded_storage: reshard keeps the unsharded storage
         self.backward_reached = False  # pre-backward ran in this backward
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None
@@ -308,8 +309,7 @@ class Unit:
             self.sharded_flat = new
             self._pending_grads = None
             if self.unsharded_flat is not None and self.unsharded_flat.device != self.device and new.device.type != "meta":
-                self.unsharded_flat = None
-                self.unsharded_params = []
+                self._drop_unsharded()
         return True
 
     def hide(self, hidden: bool) -> None:
@@ -373,8 +373,7 @@ class Unit:
                 mod._parameters[name] = params[i]
         self._pending_grads = None
         if self.unsharded_flat is not None and self.unsharded_flat.device != self.device and not (locals_ and locals_[0].is_meta):
-            self.unsharded_flat = None
-            self.unsharded_params = []
+            self._drop_unsharded()
 
     def _is_ours(self, i: int, p) -> bool:
         """`p` is sharded parameter `i` as this unit registered it."""
@@ -421,6 +420,7 @@ class Unit:
                 f"fsdp_native: the dtype of parameters of unit '{self.fqn or 'root'}' changed while the unit was unsharded "
                 "or had gradients being reduced or accumulated; change dtypes between optimizer steps"
             )
+        self._drop_unsharded()
         # What the layout reads of a parameter (global shape, dtype, requires_grad), without its data.
         specs = [torch.empty(p.shape, dtype=p.dtype, device="meta").requires_grad_(p.requires_grad) for p in params]
         names = [name for (_, name), *_ in self.owners]
@@ -430,7 +430,6 @@ class Unit:
             params, specs, ext, requested = self._reorder(order, params, specs, ext, requested)
             self._build_slots()
         self._configure(specs, requested, ext)
-        self.unsharded_flat, self.unsharded_params = None, []
         self._accumulated = self._pending_grads = None
         self._pf_shard = self._pf_keep = None
         return params
@@ -468,8 +467,9 @@ class Unit:
             return nbytes
         return 0
 
-    def _free_unsharded(self) -> None:
-        if self.unsharded_flat is None:
+    def _free_unsharded(self, force: bool = False) -> None:
+        """Frees the unsharded storage (not when kept, unless `force`)."""
+        if self.unsharded_flat is None or (self.keep_unsharded and not force):
             return
         storage = self.unsharded_flat.untyped_storage()
         if storage.nbytes():
@@ -477,6 +477,11 @@ class Unit:
             storage.resize_(0)
         if self.layout.has_ext:
             self._account(-self.codec.free())
+
+    def _drop_unsharded(self) -> None:
+        """Forgets the unsharded parameters (a new layout or device), freeing a kept storage."""
+        self._free_unsharded(force=True)
+        self.unsharded_flat, self.unsharded_params = None, []
 
     def _account(self, nbytes: int) -> None:
         self.acct.add(nbytes)
