@@ -9,6 +9,7 @@ from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPoli
 from fsdp_native._dtensor import ShardedDTensor  # noqa: E402
 from fsdp_native._fully_shard import (  # noqa: E402
     FSDPModule,
+    GradientReductionHandle,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -22,6 +23,7 @@ from fsdp_native._wrap import shard_model  # noqa: E402
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "QuantizedAllGather",

@@ -21,7 +21,7 @@ from fsdp_native._api import (
     resolve_param_dtypes,
 )
 from fsdp_native._mesh import default_mesh, mesh_info, post_forward_group
-from fsdp_native._state import post_forward, pre_forward
+from fsdp_native._state import GradientReductionHandle, post_forward, pre_forward
 from fsdp_native._unit import Unit
 
 _CLS_CACHE: dict[type, type] = {}
@@ -461,6 +461,10 @@ class FSDPModule(_TorchFSDPModule):
         if ctx is not None:
             ctx.in_backward = False
             ctx.callback_queued = False
+            ctx.manual_active = None
+            ctx.pending_finalize = None
+            for u in ctx.units:
+                u.backward_reached = False
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         unit = self._unit
@@ -531,10 +535,38 @@ class FSDPModule(_TorchFSDPModule):
             u.keep_unsharded = keep
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        self._not_implemented("set_manual_backward_finalization")
+        """On the root module (as torch FSDP2 2.15): backwards then finish nothing at their end
+        (no waiting on reductions, no reshard, gradients of units not synced kept unreduced),
+        and :meth:`finalize_backward`, called after the step's last backward, does it once,
+        following the gradient sync and reshard settings in force then. Set it before a
+        backward; the mode of a backward iteration holds until it is finalized."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_manual_backward_finalization: argument 'enabled' must be a bool, got {type(enabled).__name__}")
+        unit = self._unit
+        ctx = unit.ctx
+        if ctx is not None:
+            if ctx.root is not self:
+                raise RuntimeError("set_manual_backward_finalization must be called on the root module (the first one forwarded)")
+            if enabled != ctx.manual and (ctx.in_backward or torch._C._current_graph_task_id() != -1):
+                raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+            if ctx.manual_active is not None and enabled != ctx.manual_active:
+                raise RuntimeError("set_manual_backward_finalization cannot change mode after backward starts, before finalize_backward")
+            ctx.manual = enabled
+        unit.manual_finalization = enabled
 
-    def finalize_backward(self, *, async_op: bool = False):
-        self._not_implemented("finalize_backward")
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Completes what the backwards since the last finalization left (manual
+        finalization, :meth:`set_manual_backward_finalization`): the post-backward of units the
+        backward did not finish, the reduction of gradients accumulated without sync (enable
+        sync first), waiting on the reductions, and the reshard after backward. With
+        ``async_op`` the reductions are issued and the returned handle's ``wait()`` completes
+        them. Before the first forward: nothing to do."""
+        ctx = self._unit.ctx
+        if ctx is None:
+            return GradientReductionHandle(None) if async_op else None
+        if ctx.root is not self:
+            raise RuntimeError("finalize_backward must be called on the root module (the first one forwarded)")
+        return ctx.finalize(async_op)
 
     def set_reduce_scatter_max_input_buffers(self, *args, **kwargs) -> None:
         self._not_implemented("set_reduce_scatter_max_input_buffers")

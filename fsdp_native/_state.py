@@ -22,6 +22,10 @@ class RootContext:
         self.reducer = Reducer()
         self.in_backward = False
         self.callback_queued = False
+        # set_manual_backward_finalization: backwards finish nothing; finalize_backward does it.
+        self.manual = root._fsdp_native_unit.manual_finalization
+        self.manual_active: bool | None = None  # the mode of the backward iteration under way
+        self.pending_finalize: GradientReductionHandle | None = None  # finalize_backward(async_op=True)
         self.forward_order: list[Unit] = []
         self.next_forward: dict[Unit, Unit] = {}
         self.prev_forward: dict[Unit, Unit] = {}
@@ -44,6 +48,8 @@ class RootContext:
         self.prev_forward = {b: a for a, b in zip(seen, seen[1:])}
 
     def begin_forward(self) -> None:
+        if self.pending_finalize is not None:  # an asynchronous finalization nobody waited on
+            self.pending_finalize.wait()
         self.forward_order = []
         if _trace.active is not None:
             _trace.active.begin_step()
@@ -60,6 +66,8 @@ class RootContext:
         if self.in_backward:
             return
         self.in_backward = True
+        if self.manual_active is None:
+            self.manual_active = self.manual
         if not self.callback_queued:
             self.callback_queued = True
             Variable._execution_engine.queue_callback(self.end_backward)
@@ -68,25 +76,97 @@ class RootContext:
         """Runs once autograd finished: post-backward for units autograd did not reach through
         their inputs (the root, most often), then every pending reduction completes."""
         self.callback_queued = False
-        # Reverse forward order first (the order the backward would have reached them), then any
-        # other unit; post_backward is a no-op for units already done. Every rank runs the same
-        # order, so the reductions it issues match. With set_reduce_scatter_unused_params, a unit
-        # that the backward did not reach reduces zeros, as in torch FSDP2, if it was ever
-        # unsharded.
-        for u in [*reversed(self.forward_order), *self.units]:
-            if u.reduce_unused and not u.backward_reached and u.unsharded_params:
-                u.backward_reached = True
-                u.post_backward(unused=True)
+        if self.manual_active:
+            # Manual finalization: units whose gradients are not synced this backward take
+            # them unreduced now; the others wait for finalize_backward.
+            for u in self._order():
+                if u.needs_post_backward and not u.requires_gradient_sync:
+                    u.post_backward()
+            for u in self.units:
+                u.release_pending()
+            self.in_backward = False
+            return
+        # With set_reduce_scatter_unused_params, a unit that the backward did not reach reduces
+        # zeros, as in torch FSDP2, if it was ever unsharded.
+        for u in self._order():
+            if self._unreached(u):
+                u.post_backward(force=True)
             else:
                 u.post_backward()
-        for u in self.units:
-            u.backward_reached = False
+        self._complete()
+        self.in_backward = False
+
+    def _order(self) -> list[Unit]:
+        """Reverse forward order first (the order the backward would have reached them), then
+        any other unit. Every rank runs the same order, so the reductions it issues match."""
+        return list(dict.fromkeys([*reversed(self.forward_order), *self.units]))
+
+    @staticmethod
+    def _unreached(u: Unit) -> bool:
+        """Whether `u` reduces zeros for a backward that did not reach it (set_reduce_scatter_unused_params)."""
+        if u.reduce_unused and not u.backward_reached and u.unsharded_params:
+            u.backward_reached = True
+            return True
+        return False
+
+    def _complete(self) -> None:
+        """Every pending reduction completes; prefetched all-gathers nobody used are released;
+        the units that reshard after backward reshard."""
         self.reducer.finish_all()
         for u in self.units:
+            u.backward_reached = False
             u.release_pending()
             if u.reshard_after_backward:
                 u.reshard()
-        self.in_backward = False
+        self.manual_active = None
+        self.pending_finalize = None
+
+    def finalize(self, async_op: bool) -> GradientReductionHandle | None:
+        """FSDPModule.finalize_backward: what the backwards left (manual finalization)."""
+        if self.pending_finalize is not None:
+            raise RuntimeError("finalize_backward: the previous gradient reduction must be waited on before finalizing backward again")
+        manual = self.manual_active if self.manual_active is not None else self.manual
+        if not manual:
+            raise RuntimeError(
+                "finalize_backward requires manual backward finalization; call set_manual_backward_finalization(True) "
+                "on the root module before forward"
+            )
+        if self.in_backward:
+            raise RuntimeError("finalize_backward must be called after backward completes")
+        partial = next((u for u in self.units if u.partial_reduce is not None), None)
+        if partial is not None:
+            raise RuntimeError(
+                f"finalize_backward: manual backward finalization does not support partial gradient reductions "
+                f"(unit '{partial.fqn or 'root'}' kept its reduce-scattered gradients for a later all-reduce); "
+                "call set_requires_all_reduce(True) before its last backward, or use automatic finalization"
+            )
+        for u in self._order():
+            if u.needs_post_backward:  # reached by the last backward but not done (the root, often)
+                u.post_backward()
+            elif u.requires_gradient_sync and (u.has_unreduced_grads() or self._unreached(u)):
+                u.post_backward(force=True)  # gradients accumulated by backwards without sync
+            elif u.reshard_after_backward:
+                u.reshard()
+        handle = GradientReductionHandle(self)
+        if async_op:
+            self.pending_finalize = handle
+            return handle
+        handle.wait()
+        return None
+
+
+class GradientReductionHandle:
+    """Handle of ``FSDPModule.finalize_backward(async_op=True)``: the reductions are issued;
+    ``wait()`` completes them and reshards, before the gradients are used (the next forward
+    waits for it if nobody did)."""
+
+    def __init__(self, ctx: RootContext | None) -> None:
+        self._ctx = ctx
+
+    def wait(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx._complete()
 
 
 class _PostBackward(torch.autograd.Function):
@@ -230,6 +310,9 @@ def lazy_init(module: nn.Module) -> RootContext:
             unit.fqn = name
             units.append(unit)
     root_unit = module._fsdp_native_unit
+    for u in units:
+        if u is not root_unit and u.manual_finalization:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root module (the first one forwarded)")
     if root_unit.auto_reshard:
         root_unit.reshard_after_forward = False
     _agreement.first_forward(module, units)  # same units on every rank, before any collective

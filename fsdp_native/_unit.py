@@ -148,6 +148,7 @@ class Unit:
         # got none are reduced as zeros.
         self.reduce_unused = False
         self.keep_unsharded = False  # set_keep_unsharded_storage: reshard keeps the unsharded storage
+        self.manual_finalization = False  # set_manual_backward_finalization before the first forward
         self.backward_reached = False  # pre-backward ran in this backward
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None
@@ -684,12 +685,12 @@ class Unit:
             pre *= 2
         return float(pre), factor / pre, _ReduceOp.SUM, _ReduceOp.SUM
 
-    def post_backward(self, unused: bool = False) -> None:
+    def post_backward(self, force: bool = False) -> None:
         """Hands this unit's unsharded gradients to the reducer (or keeps them when gradient
-        sync is off, to accumulate over micro-batches) and reshards the parameters. `unused`:
-        the end of a backward that did not reach this unit, whose gradients are then reduced
-        as zeros (set_reduce_scatter_unused_params)."""
-        if not (self.needs_post_backward or unused):
+        sync is off, to accumulate over micro-batches) and reshards the parameters. `force`:
+        also when the backward did not reach this unit (gradients that backwards without sync
+        left, at finalize_backward; zeros for set_reduce_scatter_unused_params)."""
+        if not (self.needs_post_backward or force):
             return
         self.needs_post_backward = False
         rec = _trace.active
@@ -698,7 +699,7 @@ class Unit:
             self._t_compute = None
         if self.pending_rs is not None:
             self.finish_reduce()
-        if not (self.is_unsharded or unused):
+        if not (self.is_unsharded or force):
             return
         ups = self.unsharded_params
         if self.reshard_after_backward:
@@ -734,6 +735,12 @@ class Unit:
                 # `grads` is now the gradients' only owner; the reducer empties it once they
                 # are copied into the reduce-scatter input.
                 self.ctx.reducer.add(self, grads, has_grad)
+
+    def has_unreduced_grads(self) -> bool:
+        """Gradients accumulated by backwards without gradient sync, not reduced yet."""
+        return any(a is not None for a in self._accumulated or ()) or any(
+            p is not None and p.grad is not None for p in self.unsharded_params
+        )
 
     def _check_grad_dtypes(self, grads: list) -> None:
         dtypes = sorted({str(g.dtype) for g in grads if g is not None})
