@@ -133,12 +133,14 @@ class RootContext:
             )
         if self.in_backward:
             raise RuntimeError("finalize_backward must be called after backward completes")
-        partial = next((u for u in self.units if u.partial_reduce is not None), None)
+        partial = next((u for u in self.units if u.info.replicate_group is not None and not u.requires_all_reduce and (
+            u.partial_reduce is not None or u.pending_rs is not None or u.needs_post_backward or u.has_unreduced_grads()
+        )), None)  # fmt: skip
         if partial is not None:
             raise RuntimeError(
                 f"finalize_backward: manual backward finalization does not support partial gradient reductions "
-                f"(unit '{partial.fqn or 'root'}' kept its reduce-scattered gradients for a later all-reduce); "
-                "call set_requires_all_reduce(True) before its last backward, or use automatic finalization"
+                f"(unit '{partial.fqn or 'root'}' has gradients and set_requires_all_reduce(False)); call "
+                "set_requires_all_reduce(True) before finalizing, or use automatic finalization"
             )
         for u in self._order():
             if u.needs_post_backward:  # reached by the last backward but not done (the root, often)

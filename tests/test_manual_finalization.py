@@ -169,6 +169,21 @@ def check_errors() -> None:
     handle.wait()
     model.set_manual_backward_finalization(False)  # between iterations: allowed
     model(torch.randn(2, 4)).sum().backward()
+    # HSDP keeping reduce-scattered gradients for a later all-reduce: not supported, as in torch.
+    hsdp = _model(impl, dict(hsdp=True))
+    hsdp.set_manual_backward_finalization(True)
+    hsdp.set_requires_all_reduce(False)
+    hsdp(torch.randn(2, 4)).sum().backward()
+    raises_exactly(
+        RuntimeError,
+        "finalize_backward: manual backward finalization does not support partial gradient reductions (unit 'root' has "
+        "gradients and set_requires_all_reduce(False)); call set_requires_all_reduce(True) before finalizing, or use "
+        "automatic finalization",
+        hsdp.finalize_backward,
+    )
+    hsdp.set_requires_all_reduce(True)
+    hsdp.finalize_backward()
+    assert hsdp.out.weight.grad is not None, "the root unit's gradients after finalizing"
     # A non-root unit asking before the first forward: the first forward raises, on every rank.
     other = _model(impl, {})
     other.blocks[1].set_manual_backward_finalization(True)
