@@ -19,7 +19,9 @@ output); CPU offload; activation checkpointing; explicit prefetch; 1 or 2 micro-
 conversion after fully_shard (model.to(torch.bfloat16), or .half().float()); a
 shard_placement_fn putting every matrix whose dim 1 (or -1) divides the shard ranks on that
 dim (not with an int reshard_after_forward of 2, nor for a zero-size parameter: torch FSDP2
-raises for both); 2 steps of AdamW. World size 4 examples are HSDP 2x2 or 1-D over 4 ranks. With fsdp_native under test,
+raises for both); with fsdp_native under test, manual backward finalization (torchtitan's flow
+or a pipeline stage's) and kept unsharded storage, which must train as torch's automatic flow;
+2 steps of AdamW. World size 4 examples are HSDP 2x2 or 1-D over 4 ranks. With fsdp_native under test,
 about 3 examples in 8 also give every unit fsdp_native's quantized all-gather (fp8_rowwise,
 fp8_tensorwise or NF4, every parameter of 2 or more dims quantized): torch FSDP2 then trains
 the same model with the reference's quantized values put in place after its all-gathers
@@ -62,8 +64,9 @@ FUZZ_SEED = os.environ.get("FSDP_FUZZ_SEED")
 # bf16 parameters: both libraries compute in bf16; the parity tests' tolerance.
 BF16_TOL = dict(rtol=1.6e-2, atol=1e-2)
 EXACT_BF16 = os.environ.get("FSDP_FUZZ_EXACT_BF16", "0") == "1"
-# Examples with fsdp_native's quantized all-gather (only when it is the implementation under test).
-QUANT = dist_utils.impl_under_test_name() == "fsdp_native"
+# Examples with fsdp_native's quantized all-gather, manual finalization and kept unsharded
+# storage (only when it is the implementation under test).
+QUANT = NATIVE = dist_utils.impl_under_test_name() == "fsdp_native"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,12 @@ class Spec:
     quant: str | None = None  # fsdp_native's quantized all-gather on every unit (below)
     convert: str | None = None  # after fully_shard: "bf16" (model.to(torch.bfloat16)), "roundtrip" (.half().float())
     shard_dim: int | None = None  # shard_placement_fn: Shard(d) for every matrix whose dim d divides the shard ranks
+    # fsdp_native only (torch's automatic flow is the reference): manual backward finalization,
+    # "stage" (the same calls, then finalize_backward(async_op=True) and wait) or "titan" (no
+    # gradient sync for any micro-batch, then sync on and finalize_backward); and every unit
+    # keeping its unsharded storage (set_keep_unsharded_storage).
+    finalize: str | None = None
+    keep_storage: bool = False
     steps: int = 2
 
 
@@ -207,6 +216,10 @@ def build(impl, spec: Spec, mesh) -> Net:
         model.to(torch.bfloat16)
     elif spec.convert == "roundtrip":
         model.half().float()
+    if impl.name != "torch":
+        model._fuzz_finalize = spec.finalize
+        if spec.keep_storage:
+            model.set_keep_unsharded_storage(True)
     if spec.prefetch:
         units = [blk for blk in model.blocks if isinstance(blk, impl.FSDPModule)]
         for a, b in zip(units, units[1:]):
@@ -239,12 +252,19 @@ def train(model: Net, spec: Spec) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01) if params else None
     g = torch.Generator().manual_seed(1000 + rank)
     losses = []
+    finalize = getattr(model, "_fuzz_finalize", None)  # fsdp_native's model only
+    if finalize is not None:
+        model.set_manual_backward_finalization(True)
     for _ in range(spec.steps):
         refresh = getattr(model, "_fuzz_refresh", None)
         if refresh is not None:
             refresh()
+        if finalize == "titan":
+            model.set_requires_gradient_sync(False)
+            if spec.keep_unsharded_in_accum:
+                model.set_reshard_after_backward(False)
         for micro in range(spec.accum):
-            if spec.accum > 1:
+            if spec.accum > 1 and finalize != "titan":
                 model.set_requires_gradient_sync(micro == spec.accum - 1)
                 if spec.keep_unsharded_in_accum:
                     model.set_reshard_after_backward(micro == spec.accum - 1)
@@ -253,6 +273,12 @@ def train(model: Net, spec: Spec) -> dict:
             loss = (model(tokens).float() - target).pow(2).mean()
             loss.backward()
             losses.append(loss.item())
+        if finalize == "titan":
+            model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
+            model.finalize_backward()
+        elif finalize == "stage":
+            model.finalize_backward(async_op=True).wait()
         if opt is not None:
             opt.step()
             opt.zero_grad()
@@ -315,7 +341,13 @@ def specs(draw, world_size: int = 2) -> Spec:
     # torch FSDP2 raises (IndexError) for a dim other than 0 with reshard_after_forward=2 of 4
     reshard_2 = any(r == 2 and r is not True for r in [b.reshard for b in blocks] + [spec.head_reshard, spec.root_reshard])
     shard_dim = draw(st.sampled_from([None, 1, -1])) if not reshard_2 else None
-    return dataclasses.replace(spec, frozen=tuple(sorted(frozen)), quant=quant, convert=convert, shard_dim=shard_dim)
+    # "titan" reduces each unit once per step; torch's automatic flow reduces a shared block
+    # once per use in its synced backward, which rounds otherwise.
+    finalize = draw(st.sampled_from([None, "stage"] + ([] if spec.shared else ["titan"]))) if NATIVE else None
+    keep_storage = NATIVE and draw(st.booleans())
+    return dataclasses.replace(
+        spec, frozen=tuple(sorted(frozen)), quant=quant, convert=convert, shard_dim=shard_dim, finalize=finalize, keep_storage=keep_storage
+    )
 
 
 # --------------------------------------------------------------------------------------------
