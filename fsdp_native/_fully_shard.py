@@ -488,10 +488,20 @@ class FSDPModule(_TorchFSDPModule):
         raise NotImplementedError(f"fsdp_native: FSDPModule.{name} is not implemented")
 
     def set_custom_all_gather(self, comm) -> None:
-        self._not_implemented("set_custom_all_gather")
+        """This unit's all-gathers through `comm`, torch FSDP2's ``AllGather`` protocol:
+        ``comm.allocate((numel,), dtype=, device=)`` makes the output buffer (this rank's slot
+        of it is the input) and ``comm(output_tensor=, input_tensor=, group=, async_op=True)``
+        gathers, returning a work to wait on or None."""
+        _check_comm(comm, "set_custom_all_gather")
+        self._unit.ag_comm = comm
 
     def set_custom_reduce_scatter(self, comm) -> None:
-        self._not_implemented("set_custom_reduce_scatter")
+        """This unit's gradient reduce-scatters through `comm`, torch FSDP2's ``ReduceScatter``
+        protocol: ``comm.allocate`` makes the input and output buffers and ``comm(output_tensor=,
+        input_tensor=, group=, op=, async_op=True)`` reduces (the unit's gradients alone, not
+        bucketed with other units')."""
+        _check_comm(comm, "set_custom_reduce_scatter")
+        self._unit.rs_comm = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """``hook(reduce_output)`` runs on this unit's reduced flat gradient (in the reduce
@@ -604,6 +614,14 @@ class _HookState:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         res = post_forward(self.unit, module, args, output)
         return output if res is None else res
+
+
+def _check_comm(comm, where: str) -> None:
+    if not (callable(comm) and callable(getattr(comm, "allocate", None))):
+        raise TypeError(
+            f"{where}: argument 'comm' must have an allocate(size, *, dtype, device) method and be callable "
+            f"(torch.distributed.fsdp's Comm protocol), got {type(comm).__name__}"
+        )
 
 
 def _require_fsdp(m, arg: str) -> FSDPModule:

@@ -82,11 +82,16 @@ class Bucket:
             e.grads = None
         total = sum(e.total for e in self.entries)
         group = first.info.shard_group
-        by_all_reduce = ws > 1 and reduces_by_all_reduce(group)
-        in_place = len(self.entries) == 1 and not by_all_reduce and first.can_reduce_in_place(self.entries[0].has_grad)
+        comm = first.rs_comm  # a custom reduce-scatter (then the bucket holds this unit alone)
+        by_all_reduce = ws > 1 and comm is None and reduces_by_all_reduce(group)
+        in_place = len(self.entries) == 1 and not by_all_reduce and comm is None and first.can_reduce_in_place(self.entries[0].has_grad)
 
         def new_out() -> torch.Tensor:  # the unit's fresh gradient buffer, or a plain one
-            return first.reduce_in_place_target() if in_place else torch.empty(total, dtype=dtype, device=device)
+            if in_place:
+                return first.reduce_in_place_target()
+            if comm is not None:
+                return comm.allocate((total,), dtype=dtype, device=device)
+            return torch.empty(total, dtype=dtype, device=device)
 
         if ws == 1:
             out = new_out()
@@ -100,7 +105,10 @@ class Bucket:
         anchor = first.sharded_flat
         st.wait(anchor, st.reduce_scatter, st.compute)  # gradients were computed on compute
         with st.use(st.reduce_scatter):
-            rs_in = torch.empty(ws * total, dtype=dtype, device=device)
+            if comm is None:
+                rs_in = torch.empty(ws * total, dtype=dtype, device=device)
+            else:
+                rs_in = comm.allocate((ws * total,), dtype=dtype, device=device)
             ops.reduce_scatter_copy_in(grads, padded, ws, rs_in)
             if strided:
                 _strided_copy_in(rs_in.view(ws, total), strided)
@@ -122,7 +130,9 @@ class Bucket:
             rec.span("reduce_scatter_copy_in", "copy", names, t0, t1)
             t0 = t1
         with st.use(st.reduce_scatter):
-            if by_all_reduce and _comm.reduce_scatter_sum_p2p(rs_in, group, ws):
+            if comm is not None:
+                self.work = comm(output_tensor=self.out, input_tensor=rs_in, group=group, op=rs_op, async_op=True)
+            elif by_all_reduce and _comm.reduce_scatter_sum_p2p(rs_in, group, ws):
                 self.work = _comm.sum_into_own_chunk(rs_in, group, first.rank, average=rs_op == _AVG)
             elif by_all_reduce:
                 self.work = dist.all_reduce(rs_in, op=rs_op, group=group, async_op=True)

@@ -149,6 +149,9 @@ class Unit:
         self.reduce_unused = False
         self.keep_unsharded = False  # set_keep_unsharded_storage: reshard keeps the unsharded storage
         self.manual_finalization = False  # set_manual_backward_finalization before the first forward
+        # set_custom_all_gather / set_custom_reduce_scatter: torch's Comm objects (allocate and call)
+        self.ag_comm = None
+        self.rs_comm = None
         self.backward_reached = False  # pre-backward ran in this backward
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None
@@ -507,8 +510,8 @@ class Unit:
             group, size, index = self.post_forward
             rec = _trace.active
             t0 = _trace.now_us() if rec is not None else 0.0
-            out = torch.empty(ws * codec.chunk, dtype=codec.dtype, device=self.device)
-            work = _comm.all_gather(out, self._pf_shard, group, index, size)
+            out = self._ag_buffer(ws * codec.chunk, codec.dtype)
+            work = self._all_gather(out, self._pf_shard, group, index, size)
             if rec is not None:
                 rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel() * out.element_size(), group_size=size)
             self._pf_shard_in_flight = self._pf_shard
@@ -539,17 +542,28 @@ class Unit:
         st = self.streams
         st.wait(self.sharded_flat, st.all_gather, st.compute)  # the optimizer wrote the shards on compute
         with st.use(st.all_gather):
-            out = torch.empty(ws * chunk, dtype=codec.dtype, device=self.device)
+            out = self._ag_buffer(ws * chunk, codec.dtype)
             self._account(out.numel() * out.element_size())
             inp = codec.copy_in(self, out, chunk)
             if rec is not None and codec.trace_copy_in and inp is not self.sharded_flat:
                 t1 = _trace.now_us()
                 rec.span("all_gather_copy_in", "copy", self.fqn, t0, t1)
                 t0 = t1
-            work = None if ws == 1 else _comm.all_gather(out, inp, self.info.shard_group, self.rank, ws)
+            work = None if ws == 1 else self._all_gather(out, inp, self.info.shard_group, self.rank, ws)
         if rec is not None:
             rec.collective("all_gather", "all_gather", self.fqn, work, t0, out.numel() * out.element_size(), **codec.trace_args)
         self.pending_ag = PendingAllGather(work, out)
+
+    def _ag_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The all-gather output: from the custom all-gather's ``allocate`` when one is set."""
+        if self.ag_comm is None:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        return self.ag_comm.allocate((numel,), dtype=dtype, device=self.device)
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, rank: int, size: int):
+        if self.ag_comm is None:
+            return _comm.all_gather(out, inp, group, rank, size)
+        return self.ag_comm(output_tensor=out, input_tensor=inp, group=group, async_op=True)
 
     def wait_all_gather(self) -> None:
         """Finishes an issued all-gather: copy-out into the unsharded parameters, which are then
@@ -755,7 +769,9 @@ class Unit:
 
     def reduce_key(self) -> tuple:
         """Units with equal keys can share one reduce-scatter."""
-        return (self.reduce_dtype, self.info.shard_group, self.device, self._divide_factors())
+        # A unit with a custom reduce-scatter calls it for its gradients alone, as torch FSDP2 does.
+        alone = None if self.rs_comm is None else id(self)
+        return (self.reduce_dtype, self.info.shard_group, self.device, self._divide_factors(), alone)
 
     def can_reduce_in_place(self, has_grad: list[bool]) -> bool:
         """Whether the reduce-scatter may write straight into the sharded-gradient buffer."""
