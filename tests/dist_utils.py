@@ -726,6 +726,16 @@ def assert_close(what: str, a, b, tol: dict) -> None:
 
 
 
+def assert_same_run(what: str, a: dict, b: dict, tol: dict | None = None) -> None:
+    """Two training runs' ``losses`` and ``params`` (full parameters by name) agree: bit for bit,
+    or within `tol`."""
+    tol = tol or dict(rtol=0, atol=0)
+    assert_close(f"{what}: losses", a["losses"], b["losses"], tol)
+    assert a["params"].keys() == b["params"].keys(), f"{what}: parameters {sorted(a['params'])} vs {sorted(b['params'])}"
+    for n in b["params"]:
+        assert_close(f"{what}: {n}", a["params"][n], b["params"][n], tol)
+
+
 def raises_exactly(exc_type: type, message: str, fn: Callable[[], object]) -> BaseException:
     """Runs ``fn``, which must raise ``exc_type`` with exactly ``message``; returns the error."""
     try:

@@ -219,6 +219,20 @@ class BlockStack(nn.Module):
         return self.out(h)
 
 
+def shard_stack(impl, model, *, hsdp: bool = False, mp: bool = False, **kw):
+    """``fully_shard`` on each of a BlockStack's blocks, then on the model, over every rank (1-D,
+    or 2x2 HSDP); `mp`: bf16 parameters with fp32 reduction; `kw`: more fully_shard arguments."""
+    ws = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard")) if hsdp else init_device_mesh("cpu", (ws,))
+    kw = dict(mesh=mesh, **kw)
+    if mp:
+        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        impl.fully_shard(b, **kw)
+    impl.fully_shard(model, **kw)
+    return model
+
+
 def train_steps(model, steps: int = 3, accum: int = 1, batch: int = 6, dtype=torch.float32) -> list[float]:
     """AdamW steps (lr 1e-2) of a BlockStack-shaped model on this rank's own random inputs of 4
     features (generator seed 10 + rank), the loss the output's mean square; with `accum`

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 from models import BlockStack, train_steps
 
 EXACT = dict(rtol=0, atol=0)
@@ -78,9 +78,7 @@ def check(kind: str, mp: bool = False, accum: int = 1, frozen: bool = False, fac
     assert len(a["calls"]) == 2 * 3, a["calls"]  # blocks 0, 1 and the root, one sync per step
     for i, ((name, *_, ga), (*_, gb)) in enumerate(zip(a["calls"], b["calls"])):
         assert_close(f"{what}: {name} reduced gradient given to the hook (call {i})", ga, gb, EXACT)
-    assert_close(f"{what}: losses", a["losses"], b["losses"], EXACT)
-    for n in b["params"]:
-        assert_close(f"{what}: {n}", a["params"][n], b["params"][n], EXACT)
+    assert_same_run(what, a, b)
 
 
 def check_errors() -> None:

@@ -12,10 +12,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
-from models import BlockStack, train_steps
+from dist_utils import assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from models import BlockStack, shard_stack, train_steps
 
-EXACT = dict(rtol=0, atol=0)
 
 
 class Block(nn.Module):
@@ -54,16 +53,8 @@ class ReduceScatter(RecordingComm):
 
 
 def _train(impl, hsdp: bool, mp: bool, reshard: bool) -> dict:
-    ws = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard")) if hsdp else init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
-    model = BlockStack(Block, 6, 3)
-    kw = dict(mesh=mesh, reshard_after_forward=reshard)
-    if mp:
-        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in model.blocks:
-        impl.fully_shard(b, **kw)
-    impl.fully_shard(model, **kw)
+    model = shard_stack(impl, BlockStack(Block, 6, 3), hsdp=hsdp, mp=mp, reshard_after_forward=reshard)
     calls = {"blocks.1": [], "root": []}
     comms = []
     for name, m in (("blocks.1", model.blocks[1]), ("root", model)):
@@ -85,9 +76,7 @@ def check(hsdp: bool = False, mp: bool = False, reshard: bool = True) -> None:
     per_step = 2 if reshard else 1
     assert [c[0] for c in a["calls"]["blocks.1"]].count("all_gather") == 2 * per_step, a["calls"]
     assert all(n > 0 for n in a["allocated"]), f"{what}: a comm's allocate was not used: {a['allocated']}"
-    assert_close(f"{what}: losses", a["losses"], b["losses"], EXACT)
-    for n in b["params"]:
-        assert_close(f"{what}: {n}", a["params"][n], b["params"][n], EXACT)
+    assert_same_run(what, a, b)
 
 
 def check_errors() -> None:

@@ -12,13 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
-from models import BlockStack
+from dist_utils import assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from models import BlockStack, shard_stack
 
-EXACT = dict(rtol=0, atol=0)
 STEPS, MICRO = 2, 3
 
 
@@ -51,16 +49,8 @@ class Net(BlockStack):
 
 
 def _model(impl, cfg: dict) -> nn.Module:
-    ws = dist.get_world_size()
     torch.manual_seed(0)
-    model = Net(cfg.get("dangling", False))
-    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard")) if cfg.get("hsdp") else init_device_mesh("cpu", (ws,))
-    kw = dict(mesh=mesh)
-    if cfg.get("mp"):
-        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in model.blocks:
-        impl.fully_shard(b, **kw)
-    impl.fully_shard(model, **kw)
+    model = shard_stack(impl, Net(cfg.get("dangling", False)), hsdp=cfg.get("hsdp", False), mp=cfg.get("mp", False))
     if cfg.get("unused"):
         model.set_reduce_scatter_unused_params(True)
     return model
@@ -102,12 +92,6 @@ def _train(impl, cfg: dict, flow: str, micro: int = MICRO) -> dict:
     return dict(losses=losses, params=full_params(model))
 
 
-def _same(what: str, a: dict, b: dict) -> None:
-    assert_close(f"{what}: losses", a["losses"], b["losses"], EXACT)
-    for n in b["params"]:
-        assert_close(f"{what}: {n}", a["params"][n], b["params"][n], EXACT)
-
-
 def check(**cfg) -> None:
     impl = load_impl()
     if not hasattr(impl.FSDPModule, "finalize_backward"):  # FSDP_TEST_IMPL=torch before 2.15
@@ -117,9 +101,9 @@ def check(**cfg) -> None:
     # One micro-batch a step as well: the manual flows with a synced backward.
     for flow, micro in (("titan", MICRO), ("stage", MICRO), ("titan", 1), ("stage", 1)):
         got = _train(impl, cfg, flow, micro)
-        _same(f"[{impl.name}] {cfg} {flow} x{micro} vs automatic", got, _train(impl, cfg, "auto", micro))
+        assert_same_run(f"[{impl.name}] {cfg} {flow} x{micro} vs automatic", got, _train(impl, cfg, "auto", micro))
         if torch_has:
-            _same(f"[{impl.name}] {cfg} {flow} x{micro} vs torch", got, _train(torch_impl, cfg, flow, micro))
+            assert_same_run(f"[{impl.name}] {cfg} {flow} x{micro} vs torch", got, _train(torch_impl, cfg, flow, micro))
 
 
 def check_errors() -> None:

@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from dist_utils import assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from models import shard_stack
 
-EXACT = dict(rtol=0, atol=0)
 DIM, STEPS = 6, 3
 
 
@@ -77,16 +77,8 @@ def _setup(impl, cfg: dict, torch_seed: int = 0) -> nn.Module:
     return model
 
 
-def _sharded(impl, cfg: dict) -> tuple[nn.Module, list]:
-    ws = dist.get_world_size()
-    model = _setup(impl, cfg)
-    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard")) if cfg.get("hsdp") else init_device_mesh("cpu", (ws,))
-    kw = dict(mesh=mesh)
-    if cfg.get("mp"):
-        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in model.blocks:
-        impl.fully_shard(b, **kw)
-    impl.fully_shard(model, **kw)
+def _sharded(impl, cfg: dict) -> nn.Module:
+    model = shard_stack(impl, _setup(impl, cfg), hsdp=cfg.get("hsdp", False), mp=cfg.get("mp", False))
     flagged = cfg.get("flag", "all")
     if flagged == "all":
         model.set_reduce_scatter_unused_params(True)
@@ -165,16 +157,12 @@ def check(**cfg) -> None:
     ref = _train(_setup(impl, cfg), cfg, average=_averager(cfg))
     tol = dict(rtol=2e-2, atol=2e-3) if cfg.get("mp") else dict(rtol=1e-5, atol=1e-6)
     assert got["has_grad"] == ref["has_grad"], f"{what}: parameters with a gradient {got['has_grad']} vs {ref['has_grad']}"
-    assert_close(f"{what}: losses vs unsharded", got["losses"], ref["losses"], tol)
-    for n in ref["params"]:
-        assert_close(f"{what}: {n} vs unsharded", got["params"][n], ref["params"][n], tol)
+    assert_same_run(f"{what} vs unsharded", got, ref, tol)
     torch_impl = ref_impl()
     if _torch_runs(torch_impl, cfg):
         b = _train(_sharded(torch_impl, cfg), cfg)
         assert got["has_grad"] == b["has_grad"], f"{what}: parameters with a gradient {got['has_grad']} vs torch {b['has_grad']}"
-        assert_close(f"{what}: losses vs torch", got["losses"], b["losses"], EXACT)
-        for n in b["params"]:
-            assert_close(f"{what}: {n} vs torch", got["params"][n], b["params"][n], EXACT)
+        assert_same_run(f"{what} vs torch", got, b)
 
 
 def check_errors() -> None:
