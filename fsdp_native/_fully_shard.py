@@ -630,9 +630,35 @@ def _require_fsdp(m, arg: str) -> FSDPModule:
     return m
 
 
+class SharedComm:
+    """The communication context that share_comm_ctx gives several roots: one set of CUDA
+    streams for their all-gathers and reduce-scatters."""
+
+    def __init__(self) -> None:
+        self.streams = None
+
+
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Not implemented: fsdp_native shares one communication context per root already."""
-    raise NotImplementedError("fsdp_native: share_comm_ctx is not implemented")
+    """Makes the roots of `modules` (each pipeline stage's model chunk, say) share their CUDA
+    streams for all-gathers and reduce-scatters, as torch FSDP2's ``share_comm_ctx``: fewer
+    streams, and no memory of one root's streams kept from another's. Call it before their
+    first forward. A root whose first forward already ran takes the shared streams from
+    then on."""
+    if not modules:
+        return
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx: argument 'modules' holds a {type(m).__name__}, expected modules sharded by fsdp_native.fully_shard")
+    shared = SharedComm()
+    for m in modules:
+        unit = m._unit
+        unit.shared_comm = shared
+        ctx = unit.ctx
+        if ctx is not None and ctx.root is m and ctx.units[0].streams.cuda:
+            if shared.streams is None:
+                shared.streams = ctx.units[0].streams
+            for u in ctx.units:
+                u.streams = shared.streams
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

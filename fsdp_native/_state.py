@@ -32,7 +32,13 @@ class RootContext:
         self._set_order(units)
         streams = units[0].streams if units else None
         if streams is not None and streams.cuda:
-            streams = Streams(units[0].device)
+            shared = root._fsdp_native_unit.shared_comm  # share_comm_ctx: the roots' one set of streams
+            if shared is None:
+                streams = Streams(units[0].device)
+            else:
+                if shared.streams is None:
+                    shared.streams = Streams(units[0].device)
+                streams = shared.streams
         for u in units:
             u.ctx = self
             if streams is not None:

@@ -152,6 +152,7 @@ class Unit:
         # set_custom_all_gather / set_custom_reduce_scatter: torch's Comm objects (allocate and call)
         self.ag_comm = None
         self.rs_comm = None
+        self.shared_comm = None  # share_comm_ctx: a SharedComm that this unit's root uses
         self.backward_reached = False  # pre-backward ran in this backward
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None

@@ -249,3 +249,32 @@ def _streams_and_ops() -> list[str]:
 @cuda
 def test_streams_and_packing_round_trip():
     assert_no_failures(run_on_gpu(_streams_and_ops))
+
+
+def _shared_streams() -> list[str]:
+    """share_comm_ctx: the units of two roots use one set of CUDA streams after their first
+    forward; a root left out keeps its own."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def body():
+        mesh = init_device_mesh("cuda", (1,))
+        roots = []
+        for _ in range(3):
+            m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).cuda()
+            fsdp_native.fully_shard(m[0], mesh=mesh)
+            fsdp_native.fully_shard(m, mesh=mesh)
+            roots.append(m)
+        fsdp_native.share_comm_ctx(roots[:2])
+        for m in roots:
+            m(torch.randn(2, 8, device="cuda")).sum().backward()
+        streams = [m._fsdp_native_unit.streams for m in roots]
+        assert streams[0].cuda and streams[0] is streams[1] and streams[0] is not streams[2], streams
+        assert roots[1][0]._fsdp_native_unit.streams is streams[0], "a block unit of a sharing root"
+
+    return grid_failures([{}], body)
+
+
+@cuda
+def test_share_comm_ctx_shares_streams():
+    assert_no_failures(run_on_gpu(_shared_streams))
