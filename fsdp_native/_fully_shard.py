@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
@@ -581,8 +582,22 @@ class FSDPModule(_TorchFSDPModule):
     def set_reduce_scatter_max_input_buffers(self, *args, **kwargs) -> None:
         self._not_implemented("set_reduce_scatter_max_input_buffers")
 
-    def set_separate_reduce_scatter_group(self, *args, **kwargs) -> None:
-        self._not_implemented("set_separate_reduce_scatter_group")
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Gradient reduce-scatters on a process group of their own over the same ranks (one
+        per set of shard ranks), so they can progress beside the all-gathers of the backward,
+        as torch FSDP2 2.15; ``False`` goes back to the shard group. Call it on every rank of
+        the shard groups, in the same order."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_separate_reduce_scatter_group: argument 'enable' must be a bool, got {type(enable).__name__}")
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for u in self._targets(recurse):
+            if not enable:
+                u.rs_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(u.info.shard_group))
+            if ranks not in groups:
+                groups[ranks] = u.rs_group if u.rs_group is not None else dist.new_group(list(ranks), use_local_synchronization=True)
+            u.rs_group = groups[ranks]
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         self._not_implemented("set_allocate_memory_from_process_group_for_comm")

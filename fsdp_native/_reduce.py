@@ -81,7 +81,7 @@ class Bucket:
             e.grads.clear()  # the caller's list too: `grads` below is then their only owner
             e.grads = None
         total = sum(e.total for e in self.entries)
-        group = first.info.shard_group
+        group = first.rs_group or first.info.shard_group
         comm = first.rs_comm  # a custom reduce-scatter (then the bucket holds this unit alone)
         by_all_reduce = ws > 1 and comm is None and reduces_by_all_reduce(group)
         in_place = len(self.entries) == 1 and not by_all_reduce and comm is None and first.can_reduce_in_place(self.entries[0].has_grad)

@@ -153,6 +153,7 @@ class Unit:
         self.ag_comm = None
         self.rs_comm = None
         self.shared_comm = None  # share_comm_ctx: a SharedComm that this unit's root uses
+        self.rs_group = None  # set_separate_reduce_scatter_group: the reduce-scatters' own group
         self.backward_reached = False  # pre-backward ran in this backward
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None
@@ -772,7 +773,7 @@ class Unit:
         """Units with equal keys can share one reduce-scatter."""
         # A unit with a custom reduce-scatter calls it for its gradients alone, as torch FSDP2 does.
         alone = None if self.rs_comm is None else id(self)
-        return (self.reduce_dtype, self.info.shard_group, self.device, self._divide_factors(), alone)
+        return (self.reduce_dtype, self.rs_group or self.info.shard_group, self.device, self._divide_factors(), alone)
 
     def can_reduce_in_place(self, has_grad: list[bool]) -> bool:
         """Whether the reduce-scatter may write straight into the sharded-gradient buffer."""

@@ -92,7 +92,6 @@ def check_errors() -> None:
     # The methods of torch's FSDPModule (up to 2.15) that fsdp_native lacks name themselves.
     for name, call in [
         ("set_reduce_scatter_max_input_buffers", lambda: m.set_reduce_scatter_max_input_buffers(2)),
-        ("set_separate_reduce_scatter_group", lambda: m.set_separate_reduce_scatter_group(True)),
         ("set_symm_mem_for_comm", lambda: m.set_symm_mem_for_comm()),
         ("set_allocate_memory_from_process_group_for_comm", lambda: m.set_allocate_memory_from_process_group_for_comm(True)),
     ]:
