@@ -736,6 +736,20 @@ def assert_same_run(what: str, a: dict, b: dict, tol: dict | None = None) -> Non
         assert_close(f"{what}: {n}", a["params"][n], b["params"][n], tol)
 
 
+def native_linear():
+    """For checks of fsdp_native's own error messages: ``nn.Linear(4, 4)`` sharded over every
+    rank by the implementation under test, or None when that is not fsdp_native."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    impl = load_impl()
+    if impl.name != "fsdp_native":
+        return None
+    import torch.distributed as dist
+
+    return impl.fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+
+
 def raises_exactly(exc_type: type, message: str, fn: Callable[[], object]) -> BaseException:
     """Runs ``fn``, which must raise ``exc_type`` with exactly ``message``; returns the error."""
     try:

@@ -201,6 +201,18 @@ class MLPStack(nn.Module):
         return self.out(x)
 
 
+class ResidualMLP(nn.Module):
+    """``x + fc2(relu(fc1(x)))``: the block of the small BlockStack models."""
+
+    def __init__(self, dim: int = 6, hidden: int = 10):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
 class BlockStack(nn.Module):
     """``Linear(4, dim)``, then ``n`` blocks made by ``make_block()``, then ``Linear(dim, 1)``
     (parameter names ``inp.*``, ``blocks.<i>.*``, ``out.*``): the small models of the

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_close, assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from dist_utils import native_linear, assert_close, assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 from models import BlockStack, train_steps
 
 EXACT = dict(rtol=0, atol=0)
@@ -82,12 +82,11 @@ def check(kind: str, mp: bool = False, accum: int = 1, frozen: bool = False, fac
 
 
 def check_errors() -> None:
-    impl = load_impl()
-    if impl.name != "fsdp_native":  # the messages are fsdp_native's
+    m = native_linear()
+    if m is None:  # the messages are fsdp_native's
         return
-    m = impl.fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     raises_exactly(TypeError, "set_all_reduce_hook: argument 'hook' must be callable, got int", lambda: m.set_all_reduce_hook(3))
-    hsdp = impl.fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2, dist.get_world_size() // 2)))
+    hsdp = load_impl().fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2, dist.get_world_size() // 2)))
     raises_exactly(
         ValueError,
         "set_all_reduce_hook: argument 'stream' cannot be set when using native HSDP (a 2-D mesh)",

@@ -9,27 +9,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
-from models import BlockStack, shard_stack
+from dist_utils import native_linear, assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from models import BlockStack, ResidualMLP, shard_stack
 
 STEPS = 3
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 12)
-        self.fc2 = nn.Linear(12, 6)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
 def _train(impl, keep: bool, reshard: bool, mp: bool, recurse: bool = True) -> dict:
     torch.manual_seed(0)
-    model = shard_stack(impl, BlockStack(Block, 6, 3), mp=mp, reshard_after_forward=reshard)
+    model = shard_stack(impl, BlockStack(lambda: ResidualMLP(6, 12), 6, 3), mp=mp, reshard_after_forward=reshard)
     if keep:
         (model.blocks[1] if not recurse else model).set_keep_unsharded_storage(True, recurse=recurse)
     # Each unsharded parameter's data pointer at every forward of its module (the parameter
@@ -84,10 +73,9 @@ def check(reshard: bool, mp: bool = False) -> None:
 
 
 def check_errors() -> None:
-    impl = load_impl()
-    if impl.name != "fsdp_native":  # the messages are fsdp_native's
+    m = native_linear()
+    if m is None:  # the messages are fsdp_native's
         return
-    m = impl.fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     raises_exactly(TypeError, "set_keep_unsharded_storage: argument 'keep' must be a bool, got int", lambda: m.set_keep_unsharded_storage(1))
     # The methods of torch's FSDPModule (up to 2.15) that fsdp_native lacks name themselves.
     for name, call in [

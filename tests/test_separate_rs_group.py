@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
-from models import BlockStack, shard_stack, train_steps
-from test_custom_comm import AllGather, Block, ReduceScatter
+from dist_utils import native_linear, assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from models import BlockStack, ResidualMLP, shard_stack, train_steps
+from test_custom_comm import AllGather, ReduceScatter
 
 
 class GroupAllGather(AllGather):
@@ -35,7 +33,7 @@ class GroupReduceScatter(ReduceScatter):
 
 def _train(impl, separate: bool, hsdp: bool, mp: bool, off_again: bool = False) -> dict:
     torch.manual_seed(0)
-    model = shard_stack(impl, BlockStack(Block, 6, 3), hsdp=hsdp, mp=mp)
+    model = shard_stack(impl, BlockStack(ResidualMLP, 6, 3), hsdp=hsdp, mp=mp)
     ag, rs = GroupAllGather([]), GroupReduceScatter([])
     ag.groups, rs.groups = [], []
     model.blocks[1].set_custom_all_gather(ag)
@@ -68,10 +66,9 @@ def check(hsdp: bool = False, mp: bool = False) -> None:
 
 
 def check_errors() -> None:
-    impl = load_impl()
-    if impl.name != "fsdp_native":  # the message is fsdp_native's
+    m = native_linear()
+    if m is None:  # the message is fsdp_native's
         return
-    m = impl.fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     raises_exactly(
         TypeError,
         "set_separate_reduce_scatter_group: argument 'enable' must be a bool, got str",

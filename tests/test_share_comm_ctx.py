@@ -11,17 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dist_utils import assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
-from models import shard_stack
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 10)
-        self.fc2 = nn.Linear(10, 6)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
+from models import ResidualMLP, shard_stack
 
 
 class Chunk(nn.Module):
@@ -30,7 +20,7 @@ class Chunk(nn.Module):
     def __init__(self, d_in: int, d_out: int):
         super().__init__()
         self.inp = nn.Linear(d_in, 6)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(ResidualMLP() for _ in range(2))
         self.out = nn.Linear(6, d_out)
 
     def forward(self, x):

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from dist_utils import native_linear, assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 from models import shard_stack
 
 DIM, STEPS = 6, 3
@@ -166,10 +165,9 @@ def check(**cfg) -> None:
 
 
 def check_errors() -> None:
-    impl = load_impl()
-    if impl.name != "fsdp_native":  # the message is fsdp_native's
+    m = native_linear()
+    if m is None:  # the message is fsdp_native's
         return
-    m = impl.fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     raises_exactly(
         TypeError,
         "set_reduce_scatter_unused_params: argument 'reduce_scatter_unused_params' must be a bool, got str",
