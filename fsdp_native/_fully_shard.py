@@ -562,7 +562,6 @@ class FSDPModule(_TorchFSDPModule):
                 raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
             if ctx.manual_active is not None and enabled != ctx.manual_active:
                 raise RuntimeError("set_manual_backward_finalization cannot change mode after backward starts, before finalize_backward")
-            ctx.manual = enabled
         unit.manual_finalization = enabled
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:

@@ -86,12 +86,10 @@ class Bucket:
         by_all_reduce = ws > 1 and comm is None and reduces_by_all_reduce(group)
         in_place = len(self.entries) == 1 and not by_all_reduce and comm is None and first.can_reduce_in_place(self.entries[0].has_grad)
 
+        alloc = torch.empty if comm is None else comm.allocate  # the same (size, *, dtype, device)
+
         def new_out() -> torch.Tensor:  # the unit's fresh gradient buffer, or a plain one
-            if in_place:
-                return first.reduce_in_place_target()
-            if comm is not None:
-                return comm.allocate((total,), dtype=dtype, device=device)
-            return torch.empty(total, dtype=dtype, device=device)
+            return first.reduce_in_place_target() if in_place else alloc((total,), dtype=dtype, device=device)
 
         if ws == 1:
             out = new_out()
@@ -105,10 +103,7 @@ class Bucket:
         anchor = first.sharded_flat
         st.wait(anchor, st.reduce_scatter, st.compute)  # gradients were computed on compute
         with st.use(st.reduce_scatter):
-            if comm is None:
-                rs_in = torch.empty(ws * total, dtype=dtype, device=device)
-            else:
-                rs_in = comm.allocate((ws * total,), dtype=dtype, device=device)
+            rs_in = alloc((ws * total,), dtype=dtype, device=device)
             ops.reduce_scatter_copy_in(grads, padded, ws, rs_in)
             if strided:
                 _strided_copy_in(rs_in.view(ws, total), strided)

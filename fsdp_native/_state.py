@@ -22,8 +22,6 @@ class RootContext:
         self.reducer = Reducer()
         self.in_backward = False
         self.callback_queued = False
-        # set_manual_backward_finalization: backwards finish nothing; finalize_backward does it.
-        self.manual = root._fsdp_native_unit.manual_finalization
         self.manual_active: bool | None = None  # the mode of the backward iteration under way
         self.pending_finalize: GradientReductionHandle | None = None  # finalize_backward(async_op=True)
         self.forward_order: list[Unit] = []
@@ -47,6 +45,12 @@ class RootContext:
             u.total_acct = self.acct
             self.acct.current += u.acct.current
         self.acct.peak = max(self.acct.current, max((u.acct.peak for u in units), default=0))
+
+    @property
+    def manual(self) -> bool:
+        """set_manual_backward_finalization (on the root): backwards finish nothing;
+        finalize_backward does it."""
+        return self.root._fsdp_native_unit.manual_finalization
 
     def _set_order(self, order: list[Unit]) -> None:
         seen = list(dict.fromkeys(order))  # first occurrences, in order

@@ -558,9 +558,8 @@ class Unit:
 
     def _ag_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The all-gather output: from the custom all-gather's ``allocate`` when one is set."""
-        if self.ag_comm is None:
-            return torch.empty(numel, dtype=dtype, device=self.device)
-        return self.ag_comm.allocate((numel,), dtype=dtype, device=self.device)
+        alloc = torch.empty if self.ag_comm is None else self.ag_comm.allocate
+        return alloc((numel,), dtype=dtype, device=self.device)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, rank: int, size: int):
         if self.ag_comm is None:
