@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_native import _extension
+from fsdp_native import _extension, _tp
 from fsdp_native._api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -104,18 +104,19 @@ def fully_shard(
     ignored = set(ignored_params or ())
     params, owners = _collect_params(modules, ignored)
     names = _param_names(modules, params)
-    _check_not_sharded(modules, params, owners, names)
+    _check_not_sharded(modules, params, owners, names, info)
     for p, name in zip(params, names):
         if p.dim() == 0:
             raise ValueError(
                 f"fully_shard: argument 'module' has a scalar (0-dim) parameter '{name}'; FSDP shards dim 0, "
                 "make it a 1-D tensor of size 1"
             )
-    shard_dims = _shard_dims(shard_placement_fn, params, names, info)
     _check_devices(params, names)
+    local, tp_specs = _tp.split(params, names, info, post is not None)
+    shard_dims = _shard_dims(shard_placement_fn, params, names, info, [p.shape for p in local])
     param_dtypes = resolve_param_dtypes(mp, params, names)  # the user's parameters, as torch calls it
-    params = [_to_device(p, info.device) for p in params]
-    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes, shard_dims)
+    params = [_to_device(p, info.device) for p in local]
+    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes, shard_dims, tp_specs)
     pre_hook, post_hook = _eager_hooks()
     for m in modules:
         m._fsdp_native_unit = unit
@@ -220,13 +221,14 @@ def _check_same_settings(module, unit, info, mp, offload, raf, given) -> None:
         raise ValueError(f"fully_shard: argument 'mesh' is {info.mesh}, but {where} is already sharded on {unit.info.mesh}")
 
 
-def _shard_dims(fn, params: list, names: list[str], info) -> list[int]:
+def _shard_dims(fn, params: list, names: list[str], info, shapes: list) -> list[int]:
     """Each parameter's shard dim from `shard_placement_fn` (``None``: dim 0), as torch FSDP2
     reads it: ``Shard(d)`` with d counted from the end when negative, or (torch 2.13+) a
     ``ShardPlacementResult`` whose mesh is the unit's. A dim other than 0 must divide evenly
-    over the shard group (torch FSDP2 pads dim 0 only)."""
+    over the shard group (torch FSDP2 pads dim 0 only). `shapes`: what the unit shards of each
+    parameter (a tensor-parallel one's local shape)."""
     dims = []
-    for p, name in zip(params, names):
+    for p, name, shape in zip(params, names, shapes):
         result = None if fn is None else fn(p)
         placement = result
         if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):  # ShardPlacementResult
@@ -247,16 +249,16 @@ def _shard_dims(fn, params: list, names: list[str], info) -> list[int]:
                 f"fully_shard: argument 'shard_placement_fn' returned {placement!r} for parameter '{name}', "
                 "expected None or a Shard placement"
             )
-        d = placement.dim + p.dim() if placement.dim < 0 else placement.dim
-        if not 0 <= d < p.dim():
+        d = placement.dim + len(shape) if placement.dim < 0 else placement.dim
+        if not 0 <= d < len(shape):
             raise ValueError(
                 f"fully_shard: argument 'shard_placement_fn' returned Shard({placement.dim}) for parameter '{name}' "
-                f"of shape {tuple(p.shape)}, expected a dim in [{-p.dim()}, {p.dim() - 1}]"
+                f"of shape {tuple(shape)}, expected a dim in [{-len(shape)}, {len(shape) - 1}]"
             )
-        if d and p.shape[d] % info.shard_size:
+        if d and shape[d] % info.shard_size:
             raise NotImplementedError(
                 f"fully_shard: argument 'shard_placement_fn' returned Shard({placement.dim}) for parameter '{name}' "
-                f"of shape {tuple(p.shape)}, whose size {p.shape[d]} on dim {d} does not divide evenly over the "
+                f"of shape {tuple(shape)}, whose size {shape[d]} on dim {d} does not divide evenly over the "
                 f"{info.shard_size} shard ranks; like torch FSDP2, fsdp_native shards a dim other than 0 evenly only"
             )
         if d and _extension.has_extension(p):
@@ -295,10 +297,11 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Par
     return params, owners
 
 
-def _check_not_sharded(modules, params, owners, names) -> None:
+def _check_not_sharded(modules, params, owners, names, info) -> None:
     """A parameter that is already a DTensor cannot be sharded again: by fsdp_native it means a
-    parent was sharded before this submodule (fully_shard goes bottom-up); otherwise torch's
-    fully_shard or tensor parallelism made it, which fsdp_native does not compose with."""
+    parent was sharded before this submodule (fully_shard goes bottom-up); on the data-parallel
+    mesh itself (or an unnamed mesh), torch's fully_shard made it. A DTensor of tensor
+    parallelism, on another dim of the same device mesh, composes (:mod:`_tp`)."""
     for p, owner, name in zip(params, owners, names):
         if not isinstance(p, DTensor):
             continue
@@ -312,11 +315,14 @@ def _check_not_sharded(modules, params, owners, names) -> None:
                 f"{type(mod).__name__} that is already sharded by fsdp_native in the unit of {holder}"
                 f"{f' {unit.fqn!r}' if unit.fqn else ''}; call fully_shard on submodules before their parents"
             )
-        raise ValueError(
-            f"fully_shard: argument 'module' ({type(modules[0]).__name__}) has parameter '{name}' of "
-            f"{type(mod).__name__} that is already a DTensor (placements {tuple(p.placements)}), e.g. sharded by "
-            "torch's fully_shard or by tensor parallelism; fsdp_native shards plain tensors only"
-        )
+        if p.device_mesh == info.mesh or p.device_mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"fully_shard: argument 'module' ({type(modules[0]).__name__}) has parameter '{name}' of "
+                f"{type(mod).__name__} that is already a DTensor (placements {tuple(p.placements)}) on "
+                f"{'the data-parallel mesh' if p.device_mesh == info.mesh else 'a mesh without dim names'}, e.g. sharded "
+                "by torch's fully_shard; fsdp_native composes with DTensors of tensor parallelism on another named dim "
+                "of the data-parallel mesh's device mesh only"
+            )
 
 
 def _param_names(modules, params) -> list[str]:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_native import _codec, _comm, _compat, _extension, _trace, ops
+from fsdp_native import _codec, _comm, _compat, _extension, _tp, _trace, ops
 from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedAllGather, resolve_param_dtypes
 from fsdp_native._dtensor import ShardedDTensor, make_sharded
 from fsdp_native._layout import Layout, itemsize_order
@@ -89,6 +89,7 @@ class Unit:
         all_gather: QuantizedAllGather | None = None,
         param_dtypes: list[torch.dtype | None] | None = None,
         shard_dims: list[int] | None = None,
+        tp_specs: list | None = None,
     ) -> None:
         self.modules = modules
         self.owners = owners
@@ -129,6 +130,8 @@ class Unit:
         self._pin = offload is not None and offload.pin_memory and info.device.type == "cuda"
         self.all_gather = all_gather
         self.shard_dims = [0] * len(params) if shard_dims is None else list(shard_dims)  # per parameter, in unit order
+        # Per parameter: the DTensor spec tensor parallelism gave it before fully_shard (_tp), or None.
+        self.tp_specs = [None] * len(params) if tp_specs is None else list(tp_specs)
         if param_dtypes is None:
             param_dtypes = [mp.param_dtype] * len(params)
         order = itemsize_order(params, param_dtypes)
@@ -169,6 +172,7 @@ class Unit:
         dims, and `lists` (per parameter), returned reordered."""
         self.owners = [self.owners[i] for i in order]
         self.shard_dims = [self.shard_dims[i] for i in order]
+        self.tp_specs = [self.tp_specs[i] for i in order]
         return [[seq[i] for i in order] for seq in lists]
 
     def _build_slots(self) -> None:
@@ -221,9 +225,8 @@ class Unit:
                 view = self.shard_views[i]
                 if not p.is_meta and view.numel():
                     view.copy_(layout.local_chunk(i, p.detach()))
-                spec = DTensor.from_local(
-                    view, self.info.mesh, self.placements(i), run_check=False, shape=p.shape, stride=p.stride()
-                )._spec
+                shape, stride = self.global_shape(i), self.tp_specs[i].stride if self.tp_specs[i] else p.stride()
+                spec = DTensor.from_local(view, self.mesh(i), self.placements(i), run_check=False, shape=shape, stride=stride)._spec
                 sp = nn.Parameter(make_sharded(view, spec), requires_grad=p.requires_grad)
                 sp._local_tensor = view  # Parameter() detached a copy of the wrapper: point it back at our view
                 sp._fsdp_native_unit = self  # who owns it, for the error when it is sharded again
@@ -233,10 +236,23 @@ class Unit:
 
     def placements(self, i: int) -> tuple:
         """Parameter `i`'s DTensor placements: ``Shard(d)`` on the shard mesh dim (``d`` from
-        ``shard_placement_fn``, else 0), ``Replicate()`` on the replicate dim (HSDP)."""
+        ``shard_placement_fn``, else 0), ``Replicate()`` on the replicate dim (HSDP), then a
+        tensor-parallel parameter's TP placements (:mod:`_tp`)."""
+        d, spec = self.shard_dims[i], self.tp_specs[i]
+        if spec is not None:
+            return _tp.placements(spec, self.info, d)
         placements = self.info.placements
-        d = self.shard_dims[i]
         return placements if d == 0 else (*placements[:-1], Shard(d))
+
+    def mesh(self, i: int):
+        """Parameter `i`'s DTensor mesh: the unit's, or it and the TP mesh (:mod:`_tp`)."""
+        spec = self.tp_specs[i]
+        return self.info.mesh if spec is None else _tp.spmd_mesh(self.info.mesh, spec.mesh)
+
+    def global_shape(self, i: int) -> torch.Size:
+        """Parameter `i`'s global shape (the layout's is the TP-local one)."""
+        spec = self.tp_specs[i]
+        return self.layout.shapes[i] if spec is None else spec.shape
 
     def _new_flat(self, device: torch.device) -> torch.Tensor:
         """A zeroed flat sharded buffer on `device` (pinned for an offloaded CUDA unit)."""
@@ -393,14 +409,14 @@ class Unit:
         where = f"parameter '{name}' of {type(mod).__name__} (unit '{self.fqn}')"
         # Against the unit's own facts: after nn.Module._apply the registered parameter object
         # is the unit's, with its contents swapped.
-        shape, placements = self.layout.shapes[i], self.placements(i)
+        shape, placements = self.global_shape(i), self.placements(i)
         if not isinstance(p, DTensor):
             raise ValueError(
                 f"fsdp_native: {where} was replaced by a {type(p).__name__} of shape {tuple(p.shape)}, expected a "
                 f"DTensor of shape {tuple(shape)} with placements {placements} (load a sharded state dict, "
                 "e.g. from get_model_state_dict, or load without assign=True)"
             )
-        if p.shape != shape or tuple(p.placements) != placements or p.device_mesh != self.info.mesh:
+        if p.shape != shape or tuple(p.placements) != placements or p.device_mesh != self.mesh(i):
             raise ValueError(
                 f"fsdp_native: {where} was replaced by a DTensor of shape {tuple(p.shape)}, placements "
                 f"{p.placements}, expected shape {tuple(shape)}, placements {placements} on the unit's mesh"
@@ -428,7 +444,7 @@ class Unit:
             )
         self._drop_unsharded()
         # What the layout reads of a parameter (global shape, dtype, requires_grad), without its data.
-        specs = [torch.empty(p.shape, dtype=p.dtype, device="meta").requires_grad_(p.requires_grad) for p in params]
+        specs = [torch.empty(s, dtype=p.dtype, device="meta").requires_grad_(p.requires_grad) for s, p in zip(self.layout.shapes, params)]
         names = [name for (_, name), *_ in self.owners]
         requested = resolve_param_dtypes(self.mp, params, names)
         order = itemsize_order(specs, requested)
@@ -458,7 +474,10 @@ class Unit:
         flat = torch.empty(layout.unsharded_numel, dtype=layout.param_dtype, device=self.device)
         self.unsharded_flat = flat
         plain, typed = layout.unsharded_views(flat)
-        self.unsharded_params = [None if t is None else nn.Parameter(t, requires_grad=rg) for t, rg in zip(typed, layout.requires_grad)]
+        self.unsharded_params = [
+            None if t is None else nn.Parameter(t, requires_grad=rg) if spec is None else _tp.unsharded(t, spec, rg)
+            for t, rg, spec in zip(typed, layout.requires_grad, self.tp_specs)
+        ]
         self._unsharded_plain = plain  # plain views the copy-out writes (no autograd on them)
         self._unsharded_typed = typed  # the same, typed and shaped (a strided parameter's copy-out target)
         flat.untyped_storage().resize_(0)  # views made; memory comes with the first unshard
@@ -725,7 +744,7 @@ class Unit:
         if acc is not None:  # add this micro-batch's gradients to the upcast accumulation
             for i, p in enumerate(ups):
                 if p.grad is not None and acc[i] is not None:
-                    acc[i] += p.grad
+                    acc[i] += self._local_grad(i, p.grad)
                     p.grad = None
         if not self.requires_gradient_sync:
             rd = self.policy_reduce_dtype
@@ -734,13 +753,16 @@ class Unit:
                     acc = self._accumulated = [None] * len(ups)
                 for i, p in enumerate(ups):
                     if p.grad is not None and p.grad.dtype != rd:
-                        acc[i] = p.grad.to(rd)
+                        acc[i] = self._local_grad(i, p.grad).to(rd)
                         p.grad = None
         else:
-            grads = [acc[i] if acc is not None and acc[i] is not None else p.grad for i, p in enumerate(ups)]
+            grads = [acc[i] if acc is not None and acc[i] is not None else self._local_grad(i, p.grad) for i, p in enumerate(ups)]
             self._accumulated = acc = None  # `grads` holds the accumulations now, and only it
             if self.reduce_unused:
-                grads = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None and p.requires_grad else g for g, p in zip(grads, ups)]
+                grads = [
+                    torch.zeros(shape, dtype=p.dtype, device=p.device) if g is None and p.requires_grad else g
+                    for g, p, shape in zip(grads, ups, self.layout.shapes)
+                ]
             has_grad = [g is not None for g in grads]
             if self.policy_reduce_dtype is None and any(has_grad):
                 self._check_grad_dtypes(grads)
@@ -750,6 +772,11 @@ class Unit:
                 # `grads` is now the gradients' only owner; the reducer empties it once they
                 # are copied into the reduce-scatter input.
                 self.ctx.reducer.add(self, grads, has_grad)
+
+    def _local_grad(self, i: int, grad):
+        """Unsharded gradient `grad` of parameter `i` as the plain tensor the reducer takes."""
+        spec = self.tp_specs[i]
+        return grad if grad is None or spec is None else _tp.local_grad(grad, spec)
 
     def has_unreduced_grads(self) -> bool:
         """Gradients accumulated by backwards without gradient sync, not reduced yet."""

@@ -14,7 +14,7 @@
   ``cpu_ram_efficient_loading``, the FSDP2 example's resume) re-adopts them as
   fsdp_native's own ``ShardedDTensor``s at once, so an optimizer built right after holds
   them; training then matches torch. A replacement that is not a matching DTensor raises.
-* A parameter that is already a DTensor, or a module already sharded by torch, gets a clear
+* A parameter that is already a DTensor on the data-parallel mesh, or a module already sharded by torch, gets a clear
   error from ``fully_shard`` naming the module and the parameter.
 """
 from __future__ import annotations
@@ -320,8 +320,9 @@ def _errors() -> None:
     _expect(
         ValueError,
         "fully_shard: argument 'module' (Transformer) has parameter 'layers.0.attention_norm.weight' of LayerNorm that "
-        "is already a DTensor (placements (Shard(dim=0),)), e.g. sharded by torch's fully_shard or by tensor "
-        "parallelism; fsdp_native shards plain tensors only",
+        "is already a DTensor (placements (Shard(dim=0),)) on the data-parallel mesh, e.g. sharded by torch's "
+        "fully_shard; fsdp_native composes with DTensors of tensor parallelism on another named dim of the "
+        "data-parallel mesh's device mesh only",
         lambda: fsdp_native.fully_shard(model, mesh=mesh),
     )
 

@@ -1,0 +1,114 @@
+"""Parameters that tensor (or expert) parallelism made DTensors before ``fully_shard``: FSDP
+over a data-parallel mesh composed with TP over another dim of the same device mesh
+(``init_device_mesh(..., ("dp", "tp"))``, ``parallelize_module(model, mesh["tp"], plan)``,
+then ``fully_shard(..., mesh=mesh["dp"])``), as torch FSDP2 composes them.
+
+The unit packs, gathers and reduces each such parameter's TP-local tensor as it would a plain
+parameter. At the edges:
+
+* the sharded parameter is a DTensor on the data-parallel and TP meshes concatenated, placed
+  ``(Shard(d), *tp placements)`` (``Replicate()`` first with HSDP), its global shape the TP
+  DTensor's; where TP shards the same dim, FSDP's dim is a ``_StridedShard`` of split factor
+  the TP shards of that dim, since the local tensor FSDP chunks is itself a TP chunk;
+* the unsharded parameter is a DTensor with the TP spec over the gathered local tensor (in
+  ``param_dtype``), so the TP plan's hooks see what they placed;
+* its gradient is redistributed to the TP placements (a ``Partial`` one, from a replicated
+  parameter used on sharded activations, is all-reduced over TP) and its local tensor reduced.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Partial, _StridedShard
+
+from fsdp_native import _extension
+
+
+def split(params: list, names: list[str], info, post_forward: bool) -> tuple[list, list]:
+    """(the parameters with each TP DTensor replaced by a plain parameter over its local
+    tensor, the TP specs: None for a plain parameter). Checks what fsdp_native composes with."""
+    out, specs = [], []
+    for p, name in zip(params, names):
+        if not isinstance(p, DTensor):
+            out.append(p)
+            specs.append(None)
+            continue
+        spec = p._spec
+        where = f"fully_shard: parameter '{name}' is a DTensor on mesh {spec.mesh}"
+        if spec.mesh.device_type != info.mesh.device_type:
+            raise ValueError(f"{where} of device type {spec.mesh.device_type!r}, expected the data-parallel mesh's {info.mesh.device_type!r}")
+        spmd_mesh(info.mesh, spec.mesh, where)  # raises for meshes that do not compose
+        bad = [pl for pl in spec.placements if isinstance(pl, Partial) or not isinstance(pl, (Shard, Replicate))]
+        if bad:
+            raise ValueError(f"{where} with placements {tuple(spec.placements)}, expected Shard or Replicate placements only")
+        if post_forward:
+            raise NotImplementedError(
+                f"{where}: an int reshard_after_forward (resharding to a smaller mesh after forward) is not supported "
+                "for tensor-parallel parameters, as in torch FSDP2; pass a bool"
+            )
+        local = p._local_tensor
+        if _extension.has_extension(local):
+            raise NotImplementedError(
+                f"{where} whose local tensor is a {type(local).__name__} with all-gather extensions; fsdp_native "
+                "composes tensor parallelism with plain local tensors only"
+            )
+        out.append(nn.Parameter(local.detach(), requires_grad=p.requires_grad))
+        specs.append(spec)
+    return out, specs
+
+
+_MESHES: dict = {}
+
+
+def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, where: str = "fully_shard") -> DeviceMesh:
+    """The data-parallel mesh's dims followed by the TP mesh's, one mesh (as torch FSDP2 builds
+    it); both must come from one device mesh and not overlap."""
+    key = (dp_mesh, tp_mesh)
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"{where}: the data-parallel mesh and the tensor-parallel mesh must be named dims of one device mesh "
+                "(init_device_mesh(..., mesh_dim_names=...), then mesh['dp'] and mesh['tp'])"
+            )
+        try:
+            mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        except RuntimeError as e:
+            raise ValueError(
+                f"{where} that does not compose with the data-parallel mesh {dp_mesh}: {e}; expected the TP mesh and "
+                "the data-parallel mesh to be distinct dims of one device mesh (a parameter sharded by another "
+                "fully_shard cannot be sharded again)"
+            ) from None
+        _MESHES[key] = mesh
+    return mesh
+
+
+def placements(spec: DTensorSpec, info, dim: int) -> tuple:
+    """The sharded parameter's placements on :func:`spmd_mesh`."""
+    split_factor = spec.num_shards_map[dim]
+    fsdp = _StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
+    return (*info.placements[:-1], fsdp, *spec.placements)
+
+
+def unsharded(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:
+    """The unsharded parameter: `local` (the gathered TP-local tensor) with the TP spec."""
+    meta = spec.tensor_meta
+    if meta is not None and meta.dtype != local.dtype:
+        spec = dataclasses.replace(spec, tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype))
+    p = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=requires_grad)
+    p._local_tensor = local  # Parameter() detached a copy of the wrapper: point it back at the view
+    return p
+
+
+def local_grad(grad, spec: DTensorSpec) -> torch.Tensor:
+    """The local tensor of an unsharded parameter's gradient, in the parameter's TP placements."""
+    if tuple(grad.placements) != tuple(spec.placements):
+        grad = grad.redistribute(placements=spec.placements)
+    local = grad._local_tensor
+    return local.wait() if isinstance(local, AsyncCollectiveTensor) else local

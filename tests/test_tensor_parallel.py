@@ -1,0 +1,236 @@
+"""FSDP composed with tensor parallelism (2-D parallelism), as torch FSDP2 composes them and as
+pytorch/examples' ``fsdp_tp_example.py`` and torchtitan run it: one device mesh with dims
+("dp", "tp"), ``parallelize_module(model, mesh["tp"], plan)``, then ``fully_shard`` of the
+blocks and the root on ``mesh["dp"]``. 4 gloo ranks as 2 x 2.
+
+* **Against torch FSDP2** (same model, plan and data): losses and every rank's local shards bit
+  for bit, and the same DTensor placements (``_StridedShard`` where TP shards dim 0 too) and
+  global shapes. Two plans: column/row-wise Linears next to a plain (unparallelized) norm in one
+  unit; and sequence parallelism, whose replicated norm weights get ``Partial`` gradients that
+  must be all-reduced over TP before the data-parallel reduce-scatter. fp32 and bf16 compute
+  with fp32 reduction, gradient accumulation without sync, HSDP (a 3-D mesh).
+* **Against the unsharded model** on one rank (both data-parallel batches, averaged): every
+  rank's local shard equals the matching chunk of the reference's parameters.
+* **Checkpoints across libraries:** DCP saves fsdp_native's sharded state dict and torch FSDP2 +
+  TP loads it (and the other way round); the loaded parameters are the saved ones.
+* **Errors:** a DTensor on the data-parallel mesh itself; an int reshard_after_forward with TP.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+from dist_utils import assert_close, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+
+DIM, HIDDEN, SEQ, BATCH = 16, 40, 8, 3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.w1 = nn.Linear(DIM, HIDDEN)
+        self.w2 = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.out = nn.Linear(DIM, 5, bias=False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _plan(sp: bool) -> dict:
+    if not sp:
+        return {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
+    # Sequence parallelism (the norm on sequence shards, as the example's Llama plan).
+    return {
+        "norm": SequenceParallel(),
+        "w1": ColwiseParallel(input_layouts=Shard(1)),
+        "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+
+
+def _mesh(hsdp: bool):
+    if hsdp:
+        return init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _build(impl, sp: bool, hsdp: bool, mp: bool, seed: int = 0, raf=True):
+    torch.manual_seed(seed)
+    model = Model()
+    mesh = _mesh(hsdp)
+    tp, dp = mesh["tp"], mesh["rep", "dp"] if hsdp else mesh["dp"]
+    for b in model.blocks:
+        parallelize_module(b, tp, _plan(sp))
+        if sp:  # the block's input and output as sequence shards; the model's as replicated
+            b.register_forward_pre_hook(lambda m, a: (DTensor.from_local(a[0], tp, (Replicate(),)).redistribute(tp, (Shard(1),)),))
+            b.register_forward_hook(lambda m, a, out: out.redistribute(tp, (Replicate(),)).to_local())
+    kw = dict(mesh=dp, reshard_after_forward=raf)
+    if mp:
+        kw["mp_policy"] = impl.mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        impl.fully_shard(b, **kw)
+    impl.fully_shard(model, **kw)
+    return model, mesh
+
+
+def _batches(steps: int, dp_rank: int | None):
+    """Per step, the batch of data-parallel rank `dp_rank` (both halves when None)."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(2 * BATCH, SEQ, DIM, generator=gen)
+        out.append(x if dp_rank is None else x[dp_rank * BATCH : (dp_rank + 1) * BATCH])
+    return out
+
+
+def _train(model, dp_rank: int, steps: int = 3, accum: int = 1) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x in _batches(steps, dp_rank):
+        for micro, xm in enumerate(x.chunk(accum)):
+            if accum > 1:
+                model.set_requires_gradient_sync(micro == accum - 1)
+            loss = model(xm).float().pow(2).mean() / accum
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _locals(model) -> dict:
+    return {n: (p.to_local().detach().clone(), tuple(p.placements), tuple(p.shape)) for n, p in model.named_parameters()}
+
+
+def _expected_local(full: torch.Tensor, p: DTensor) -> torch.Tensor:
+    """The local shard of the full value `full` under `p`'s placements, mesh dim by mesh dim
+    (TP first: FSDP chunks what TP left this rank)."""
+    local = full
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    for m in reversed(range(mesh.ndim)):
+        pl = p.placements[m]
+        if isinstance(pl, Shard) or type(pl).__name__ == "_StridedShard":
+            local = local.chunk(mesh.size(m), dim=pl.dim)[coord[m]]
+    return local
+
+
+def parity(sp: bool, mp: bool, hsdp: bool = False, accum: int = 1) -> None:
+    impl = load_impl()
+    what = f"[{impl.name}] sp={sp} mp={mp} hsdp={hsdp} accum={accum}"
+    got_model, mesh = _build(impl, sp, hsdp, mp)
+    dp_rank = mesh.get_local_rank("dp")
+    got = _train(got_model, dp_rank, accum=accum)
+    ref_model, _ = _build(ref_impl(), sp, hsdp, mp)
+    ref = _train(ref_model, dp_rank, accum=accum)
+    assert_close(f"{what}: losses", got, ref, dict(rtol=0, atol=0))
+    a, b = _locals(got_model), _locals(ref_model)
+    assert a.keys() == b.keys()
+    for n in b:
+        assert a[n][1:] == b[n][1:], f"{what}: {n}: placements, shape {a[n][1:]} vs torch's {b[n][1:]}"
+        assert_close(f"{what}: {n}", a[n][0], b[n][0], dict(rtol=0, atol=0))
+    if not any(type(pl).__name__ == "_StridedShard" for n in a for pl in a[n][1]):
+        raise AssertionError(f"{what}: no parameter got a _StridedShard placement")
+
+
+def parity_grid() -> None:
+    configs = [dict(sp=s, mp=m) for s in (False, True) for m in (False, True)]
+    run_grid(configs + [dict(sp=False, mp=True, accum=2), dict(sp=True, mp=False, hsdp=True)], parity, "tp")
+
+
+def test_tp_matches_torch_fsdp2():
+    run_distributed(parity_grid, 4)
+
+
+def reference() -> None:
+    """fsdp_native + TP against the unsharded model trained on both batches at once."""
+    impl = load_impl()
+    model, mesh = _build(impl, True, False, False)
+    _train(model, mesh.get_local_rank("dp"))
+    torch.manual_seed(0)
+    ref = Model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x in _batches(3, None):
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    full = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        assert_close(f"[{impl.name}] {n}", p.to_local(), _expected_local(full[n].detach(), p), dict(rtol=1e-5, atol=1e-6))
+
+
+def test_tp_matches_unsharded_training():
+    run_distributed(reference, 4)
+
+
+def _save_load(save_impl, load_impl_, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = _build(save_impl, False, False, False, seed=1)
+    _train(model, dist.get_rank() // 2, steps=1)
+    saved = _locals(model)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    other, _ = _build(load_impl_, False, False, False, seed=2)
+    sd = {"model": other.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    other.load_state_dict(sd["model"])
+    got = _locals(other)
+    for n in saved:
+        assert got[n][1:] == saved[n][1:], f"{n}: {got[n][1:]} vs {saved[n][1:]}"
+        assert_close(f"{save_impl.name} -> {load_impl_.name}: {n}", got[n][0], saved[n][0], dict(rtol=0, atol=0))
+
+
+def checkpoints(tmp: str) -> None:
+    impl, ref = load_impl(), ref_impl()
+    _save_load(impl, ref, f"{tmp}/a")
+    _save_load(ref, impl, f"{tmp}/b")
+
+
+def test_tp_checkpoints_load_across_libraries(tmp_path):
+    run_distributed(checkpoints, 4, str(tmp_path))
+
+
+def errors() -> None:
+    impl = load_impl()
+    if impl.name != "fsdp_native":
+        return
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
+    model = Model()
+    parallelize_module(model.blocks[0], mesh["tp"], _plan(False))
+    raises_exactly(
+        NotImplementedError,
+        f"fully_shard: parameter 'w1.weight' is a DTensor on mesh {mesh['tp']}: an int reshard_after_forward (resharding to "
+        "a smaller mesh after forward) is not supported for tensor-parallel parameters, as in torch FSDP2; pass a bool",
+        lambda: impl.fully_shard(model.blocks[0], mesh=mesh["dp"], reshard_after_forward=2),
+    )
+    dp = mesh["dp"]
+    bad = nn.Linear(4, 4)
+    bad.weight = nn.Parameter(distribute_tensor(bad.weight.detach(), dp, (Shard(0),)))
+    raises_exactly(
+        ValueError,
+        "fully_shard: argument 'module' (Linear) has parameter 'weight' of Linear that is already a DTensor (placements "
+        "(Shard(dim=0),)) on the data-parallel mesh, e.g. sharded by torch's fully_shard; fsdp_native composes with "
+        "DTensors of tensor parallelism on another named dim of the data-parallel mesh's device mesh only",
+        lambda: impl.fully_shard(bad, mesh=dp),
+    )
+
+
+def test_tp_errors():
+    run_distributed(errors, 4)
