@@ -20,6 +20,11 @@ CI builds the CUDA kernels against the newest).
   original dtype (their ``grad_dtype``): fp32 for fp32 parameters computed in bf16. Gradients
   accumulated with gradient sync off follow the same dtype. fsdp_native does what the
   installed torch's FSDP2 does, so its numbers stay torch's on each version.
+* ``TP_GRAD_IN_REDUCE_DTYPE``: from torch 2.15 (seen on 2.15, not on 2.13; 2.14 not checked) a
+  tensor-parallel parameter with a ``Replicate`` placement, whose gradient may be ``Partial``
+  over TP, keeps autograd's gradient in the reduce dtype where that is wider than the compute
+  dtype, so the TP all-reduce of that gradient runs in fp32 for bf16 compute. Before, it ran
+  in the compute dtype.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ TORCH_VERSION = _version(torch.__version__)
 
 DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 12)
 REDUCE_IN_ORIG_DTYPE = TORCH_VERSION >= (2, 15)
+TP_GRAD_IN_REDUCE_DTYPE = TORCH_VERSION >= (2, 15)
 
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"

@@ -13,7 +13,9 @@ parameter. At the edges:
 * the unsharded parameter is a DTensor with the TP spec over the gathered local tensor (in
   ``param_dtype``), so the TP plan's hooks see what they placed;
 * its gradient is redistributed to the TP placements (a ``Partial`` one, from a replicated
-  parameter used on sharded activations, is all-reduced over TP) and its local tensor reduced.
+  parameter used on sharded activations, is all-reduced over TP) and its local tensor reduced;
+  gradients accumulated without sync stay DTensors until then, so a ``Partial`` one is
+  all-reduced once, in the accumulation dtype, as torch FSDP2 does.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
-from fsdp_native import _extension
+from fsdp_native import _compat, _extension
 
 
 def split(params: list, names: list[str], info, post_forward: bool) -> tuple[list, list]:
@@ -106,8 +108,19 @@ def unsharded(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn
     return p
 
 
-def local_grad(grad, spec: DTensorSpec) -> torch.Tensor:
-    """The local tensor of an unsharded parameter's gradient, in the parameter's TP placements."""
+def local_grad(grad, spec: DTensorSpec, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    """The local tensor of an unsharded parameter's gradient, in the parameter's TP placements.
+    From torch 2.15 a parameter with a ``Replicate`` TP placement (whose gradient may be
+    ``Partial``) takes its gradient in `reduce_dtype` where that is wider, so that the TP
+    reduction runs in it, as torch FSDP2 has autograd accumulate it (``grad_dtype``)."""
+    if (
+        _compat.TP_GRAD_IN_REDUCE_DTYPE
+        and reduce_dtype is not None
+        and grad.dtype.is_floating_point
+        and reduce_dtype.itemsize > grad.dtype.itemsize
+        and any(isinstance(pl, Replicate) for pl in spec.placements)
+    ):
+        grad = grad.to(reduce_dtype)
     if tuple(grad.placements) != tuple(spec.placements):
         grad = grad.redistribute(placements=spec.placements)
     local = grad._local_tensor

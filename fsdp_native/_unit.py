@@ -744,7 +744,7 @@ class Unit:
         if acc is not None:  # add this micro-batch's gradients to the upcast accumulation
             for i, p in enumerate(ups):
                 if p.grad is not None and acc[i] is not None:
-                    acc[i] += self._local_grad(i, p.grad)
+                    acc[i] += p.grad  # a TP gradient stays a DTensor (Partial ones reduced once, at sync)
                     p.grad = None
         if not self.requires_gradient_sync:
             rd = self.policy_reduce_dtype
@@ -753,10 +753,10 @@ class Unit:
                     acc = self._accumulated = [None] * len(ups)
                 for i, p in enumerate(ups):
                     if p.grad is not None and p.grad.dtype != rd:
-                        acc[i] = self._local_grad(i, p.grad).to(rd)
+                        acc[i] = p.grad.to(rd)
                         p.grad = None
         else:
-            grads = [acc[i] if acc is not None and acc[i] is not None else self._local_grad(i, p.grad) for i, p in enumerate(ups)]
+            grads = [self._local_grad(i, acc[i] if acc is not None and acc[i] is not None else p.grad) for i, p in enumerate(ups)]
             self._accumulated = acc = None  # `grads` holds the accumulations now, and only it
             if self.reduce_unused:
                 grads = [
@@ -776,7 +776,7 @@ class Unit:
     def _local_grad(self, i: int, grad):
         """Unsharded gradient `grad` of parameter `i` as the plain tensor the reducer takes."""
         spec = self.tp_specs[i]
-        return grad if grad is None or spec is None else _tp.local_grad(grad, spec)
+        return grad if grad is None or spec is None else _tp.local_grad(grad, spec, self.policy_reduce_dtype)
 
     def has_unreduced_grads(self) -> bool:
         """Gradients accumulated by backwards without gradient sync, not reduced yet."""

@@ -7,7 +7,8 @@ blocks and the root on ``mesh["dp"]``. 4 gloo ranks as 2 x 2.
   for bit, and the same DTensor placements (``_StridedShard`` where TP shards dim 0 too) and
   global shapes. Two plans: column/row-wise Linears next to a plain (unparallelized) norm in one
   unit; and sequence parallelism, whose replicated norm weights get ``Partial`` gradients that
-  must be all-reduced over TP before the data-parallel reduce-scatter. fp32 and bf16 compute
+  must be all-reduced over TP before the data-parallel reduce-scatter (once, after gradient
+  accumulation without sync; in fp32 for bf16 compute from torch 2.15). fp32 and bf16 compute
   with fp32 reduction, gradient accumulation without sync, HSDP (a 3-D mesh).
 * **Against the unsharded model** on one rank (both data-parallel batches, averaged): every
   rank's local shard equals the matching chunk of the reference's parameters.
@@ -152,7 +153,8 @@ def parity(sp: bool, mp: bool, hsdp: bool = False, accum: int = 1) -> None:
 
 def parity_grid() -> None:
     configs = [dict(sp=s, mp=m) for s in (False, True) for m in (False, True)]
-    run_grid(configs + [dict(sp=False, mp=True, accum=2), dict(sp=True, mp=False, hsdp=True)], parity, "tp")
+    more = [dict(sp=False, mp=True, accum=2), dict(sp=True, mp=True, accum=2), dict(sp=True, mp=False, hsdp=True)]
+    run_grid(configs + more, parity, "tp")
 
 
 def test_tp_matches_torch_fsdp2():
