@@ -10,6 +10,10 @@ blocks and the root on ``mesh["dp"]``. 4 gloo ranks as 2 x 2.
   must be all-reduced over TP before the data-parallel reduce-scatter (once, after gradient
   accumulation without sync; in fp32 for bf16 compute from torch 2.15). fp32 and bf16 compute
   with fp32 reduction, gradient accumulation without sync, HSDP (a 3-D mesh).
+* **pytorch/examples' ``fsdp_tp_example.py``** (its plan on a small Llama: row-wise
+  embeddings, sequence-parallel norms, column/row-wise attention and feed-forward, the whole
+  model one unit as there, and also a unit per block): losses and local shards bit for bit
+  torch FSDP2's.
 * **Against the unsharded model** on one rank (both data-parallel batches, averaged): every
   rank's local shard equals the matching chunk of the reference's parameters.
 * **Checkpoints across libraries:** DCP saves fsdp_native's sharded state dict and torch FSDP2 +
@@ -23,9 +27,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from dist_utils import assert_close, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from models import Attention, ModelArgs, TransformerBlock
 
 DIM, HIDDEN, SEQ, BATCH = 16, 40, 8, 3
 
@@ -159,6 +170,107 @@ def parity_grid() -> None:
 
 def test_tp_matches_torch_fsdp2():
     run_distributed(parity_grid, 4)
+
+
+class MathAttention(Attention):
+    """models.Attention with the attention written out (DTensor has no sharding rule for the
+    CPU's fused scaled_dot_product_attention)."""
+
+    def forward(self, x):
+        bsz, seq, _ = x.shape
+        q, k, v = (w(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        scores = (q @ k.transpose(-2, -1)) / self.head_dim**0.5
+        mask = torch.full((seq, seq), float("-inf")).triu(1)
+        if isinstance(scores, DTensor):
+            mask = DTensor.from_local(mask, scores.device_mesh, (Replicate(),) * scores.device_mesh.ndim, run_check=False)
+        scores = scores + mask
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.wo(out.transpose(1, 2).contiguous().view(bsz, seq, -1))
+
+
+class Llama(nn.Module):
+    """The example's model, small: token embeddings, pre-norm blocks, a norm and the output."""
+
+    def __init__(self, args) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        for layer in self.layers:
+            layer.attention.__class__ = MathAttention
+        self.norm = nn.LayerNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _example_run(impl, per_block: bool) -> dict:
+    """pytorch/examples' fsdp_tp_example.py: its device mesh, its TP/SP plan (the attention's
+    second input, freqs_cis, left out), ``fully_shard(model, mesh=dp_mesh)``, AdamW with
+    foreach, ``output.sum().backward()`` on tokens seeded by step and dp rank."""
+    args = ModelArgs(n_layers=2, vocab_size=64, dim=32, n_heads=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    torch.manual_seed(0)
+    model = Llama(args)
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for block in model.layers:
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(use_local_output=False),
+            "attention.wk": ColwiseParallel(use_local_output=False),
+            "attention.wv": ColwiseParallel(use_local_output=False),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(block, tp_mesh, plan)
+        if per_block:
+            impl.fully_shard(block, mesh=dp_mesh)
+    impl.fully_shard(model, mesh=dp_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
+    losses = []
+    for i in range(3):
+        torch.manual_seed(i + dp_mesh.get_local_rank())
+        out = model(torch.randint(args.vocab_size, (4, 16)))
+        loss = out.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, locals=_locals(model))
+
+
+def example_flow(per_block: bool) -> None:
+    impl = load_impl()
+    got, ref = _example_run(impl, per_block), _example_run(ref_impl(), per_block)
+    what = f"[{impl.name}] fsdp_tp_example per_block={per_block}"
+    assert_close(f"{what}: losses", got["losses"], ref["losses"], dict(rtol=0, atol=0))
+    for n, (t, *meta) in ref["locals"].items():
+        assert got["locals"][n][1:] == tuple(meta), f"{what}: {n}: {got['locals'][n][1:]} vs torch's {tuple(meta)}"
+        assert_close(f"{what}: {n}", got["locals"][n][0], t, dict(rtol=0, atol=0))
+
+
+def example_grid() -> None:
+    run_grid([dict(per_block=False), dict(per_block=True)], example_flow, "example")
+
+
+def test_fsdp_tp_example_flow_matches_torch_fsdp2():
+    run_distributed(example_grid, 4)
 
 
 def reference() -> None:
