@@ -1,12 +1,14 @@
 """``set_separate_reduce_scatter_group`` on CPU: the step time of one model trained with its
 gradient reduce-scatters on the shard group (the default) and on a group of their own, 2 ranks
-on gloo, the two alternating step by step in the same processes (one thread each).
+on gloo, the two alternating step by step in the same processes (one thread each). With
+``--max-input-buffers K``, ``set_reduce_scatter_max_input_buffers(K)`` against the default (1)
+instead.
 
-    .venv/bin/python benchmarks/bench_separate_rs.py [--steps 12] [--dim 512] [--blocks 8]
+    .venv/bin/python benchmarks/bench_separate_rs.py [--steps 12] [--dim 512] [--blocks 8] [--max-input-buffers K]
 
 Model: ``--blocks`` residual MLP blocks (dim, 2 x dim hidden), each a unit, plus the root;
 batch 32; AdamW. Prints the median step time (max over ranks) per mode, with its range, and
-the ratio separate / shared.
+the ratio separate / shared (or k=K / k=1).
 """
 from __future__ import annotations
 
@@ -39,26 +41,30 @@ class _Block(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(x)))
 
 
-def _rank(rank: int, world_size: int, port: int, steps: int, dim: int, blocks: int) -> dict:
+def _rank(rank: int, world_size: int, port: int, steps: int, dim: int, blocks: int, k: int | None) -> dict:
     H.init_pg(rank, world_size, port)
     torch.set_num_threads(1)
     import fsdp_native
 
-    def make(separate: bool):
+    modes = ("shared", "separate") if k is None else ("k=1", f"k={k}")
+
+    def make(mode: str):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, dim), *[_Block(dim) for _ in range(blocks)], nn.Linear(dim, 1))
         for block in model[1:-1]:
             fsdp_native.fully_shard(block)
         fsdp_native.fully_shard(model)
-        if separate:
+        if mode == "separate":
             model.set_separate_reduce_scatter_group()
+        elif mode == modes[1]:
+            model.set_reduce_scatter_max_input_buffers(k)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    runs = {mode: make(mode == "separate") for mode in ("shared", "separate")}
+    runs = {mode: make(mode) for mode in modes}
     times: dict[str, list[float]] = {mode: [] for mode in runs}
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(rank))
     for step in range(steps + 3):  # 3 warmup steps
-        for mode in (("shared", "separate") if step % 2 else ("separate", "shared")):
+        for mode in (modes if step % 2 else modes[::-1]):
             model, opt = runs[mode]
             dist.barrier()
             t0 = time.perf_counter()
@@ -77,11 +83,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--max-input-buffers", type=int, default=None, metavar="K")
     args = ap.parse_args(argv)
-    res = H.run_ranks(_rank, args.steps, args.dim, args.blocks)
+    res = H.run_ranks(_rank, args.steps, args.dim, args.blocks, args.max_input_buffers)
     for mode, (med, lo, hi) in res.items():
         print(f"{mode:9s} median {med:7.1f} ms  (range {lo:.1f}-{hi:.1f})")
-    print(f"separate / shared: {res['separate'][0] / res['shared'][0]:.2f}")
+    base, other = list(res)
+    print(f"{other} / {base}: {res[other][0] / res[base][0]:.2f}")
 
 
 if __name__ == "__main__":

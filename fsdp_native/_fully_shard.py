@@ -584,8 +584,22 @@ class FSDPModule(_TorchFSDPModule):
             raise RuntimeError("finalize_backward must be called on the root module (the first one forwarded)")
         return ctx.finalize(async_op)
 
-    def set_reduce_scatter_max_input_buffers(self, *args, **kwargs) -> None:
-        self._not_implemented("set_reduce_scatter_max_input_buffers")
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reductions (reduce-scatter inputs) may be in flight when this
+        unit issues its own, as torch FSDP2 2.15: 1 (the default) completes the previous one
+        first; k > 1 keeps up to k, completing the oldest first, so the backward waits less on
+        an exposed reduce-scatter and holds up to k - 1 more reduce-scatter buffers."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                "set_reduce_scatter_max_input_buffers: argument 'max_input_buffers' must be an int, "
+                f"got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                f"set_reduce_scatter_max_input_buffers: argument 'max_input_buffers' is {max_input_buffers}, expected an int >= 1"
+            )
+        for u in self._targets(recurse):
+            u.rs_max_inputs = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Gradient reduce-scatters on a process group of their own over the same ranks (one

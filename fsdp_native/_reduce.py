@@ -5,12 +5,16 @@ every unit is reduced on its own, as torch FSDP2 does. Sharing a reduce-scatter 
 small units saves collectives, but it holds memory torch does not: the shared input of k
 units is alive at once where torch holds one unit's input plus the k units' sharded
 gradients (k / world_size of it), so at world size 2 and up a bucket of several units
-peaks above torch (tests/test_memory.py). At most one bucket is in flight: issuing the
-next completes the previous, and the unsharded gradients are dropped as soon as they are
-copied into the reduce-scatter input.
+peaks above torch (tests/test_memory.py). At most one bucket is in flight by default:
+issuing the next completes the previous, and the unsharded gradients are dropped as soon as
+they are copied into the reduce-scatter input. ``set_reduce_scatter_max_input_buffers(k)``
+(torch 2.15) lets the unit issuing a bucket keep up to k in flight, completing the oldest
+first: the backward then waits on an exposed reduce-scatter less, for k - 1 more
+reduce-scatter inputs (and outputs) alive.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -173,12 +177,12 @@ def _strided_copy_in(rows: torch.Tensor, strided: list) -> None:
 
 
 class Reducer:
-    """Per root: the open bucket and the one in flight."""
+    """Per root: the open bucket and the ones in flight, oldest first."""
 
     def __init__(self) -> None:
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
         self.open: Bucket | None = None
-        self.inflight: Bucket | None = None
+        self.inflight: deque[Bucket] = deque()
 
     def add(self, unit: Unit, grads: list, has_grad: list[bool]) -> None:
         key = unit.reduce_key()
@@ -197,21 +201,26 @@ class Reducer:
         b, self.open = self.open, None
         if b is None:
             return
-        if self.inflight is not None:
-            self.inflight.finish()
+        cap = b.entries[0].unit.rs_max_inputs
+        while len(self.inflight) >= cap:
+            self.inflight.popleft().finish()
         b.issue()
-        self.inflight = b
+        self.inflight.append(b)
 
     def finish(self, bucket: Bucket) -> None:
+        """Completes `bucket`, and the buckets in flight before it (in order)."""
         if bucket is self.open:
             self.flush()
-        if bucket is self.inflight:
-            self.inflight = None
-        if bucket.issued:
+        if any(b is bucket for b in self.inflight):
+            while self.inflight:
+                b = self.inflight.popleft()
+                b.finish()
+                if b is bucket:
+                    return
+        elif bucket.issued:
             bucket.finish()
 
     def finish_all(self) -> None:
         self.flush()
-        if self.inflight is not None:
-            b, self.inflight = self.inflight, None
-            b.finish()
+        while self.inflight:
+            self.inflight.popleft().finish()

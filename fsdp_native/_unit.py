@@ -157,6 +157,7 @@ class Unit:
         self.rs_comm = None
         self.shared_comm = None  # share_comm_ctx: a SharedComm that this unit's root uses
         self.rs_group = None  # set_separate_reduce_scatter_group: the reduce-scatters' own group
+        self.rs_max_inputs = 1  # set_reduce_scatter_max_input_buffers: reductions kept in flight
         self.backward_reached = False  # pre-backward ran in this backward
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None

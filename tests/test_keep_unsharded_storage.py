@@ -79,7 +79,6 @@ def check_errors() -> None:
     raises_exactly(TypeError, "set_keep_unsharded_storage: argument 'keep' must be a bool, got int", lambda: m.set_keep_unsharded_storage(1))
     # The methods of torch's FSDPModule (up to 2.15) that fsdp_native lacks name themselves.
     for name, call in [
-        ("set_reduce_scatter_max_input_buffers", lambda: m.set_reduce_scatter_max_input_buffers(2)),
         ("set_symm_mem_for_comm", lambda: m.set_symm_mem_for_comm()),
         ("set_allocate_memory_from_process_group_for_comm", lambda: m.set_allocate_memory_from_process_group_for_comm(True)),
     ]:

@@ -173,18 +173,21 @@ def test_tp_matches_torch_fsdp2():
 
 
 class MathAttention(Attention):
-    """models.Attention with the attention written out (DTensor has no sharding rule for the
-    CPU's fused scaled_dot_product_attention)."""
+    """models.Attention with the attention written out on the local heads (DTensor has no
+    sharding rule for the CPU's fused scaled_dot_product_attention, and torch 2.11's cannot
+    shard the batched matmul over heads)."""
 
     def forward(self, x):
         bsz, seq, _ = x.shape
         q, k, v = (w(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        scores = (q @ k.transpose(-2, -1)) / self.head_dim**0.5
-        mask = torch.full((seq, seq), float("-inf")).triu(1)
-        if isinstance(scores, DTensor):
-            mask = DTensor.from_local(mask, scores.device_mesh, (Replicate(),) * scores.device_mesh.ndim, run_check=False)
-        scores = scores + mask
+        dt = isinstance(q, DTensor)
+        if dt:  # heads sharded over TP: each rank attends over its own
+            mesh, placements = q.device_mesh, q.placements
+            q, k, v = q.to_local(), k.to_local(), v.to_local()
+        scores = (q @ k.transpose(-2, -1)) / self.head_dim**0.5 + torch.full((seq, seq), float("-inf")).triu(1)
         out = torch.softmax(scores, dim=-1) @ v
+        if dt:
+            out = DTensor.from_local(out, mesh, placements, run_check=False)
         return self.wo(out.transpose(1, 2).contiguous().view(bsz, seq, -1))
 
 
