@@ -31,16 +31,6 @@ if _ROOT not in sys.path:
 from benchmarks import harness as H  # noqa: E402
 
 
-class _Block(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 2 * dim)
-        self.fc2 = nn.Linear(2 * dim, dim)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
 def _rank(rank: int, world_size: int, port: int, steps: int, dim: int, blocks: int, k: int | None) -> dict:
     H.init_pg(rank, world_size, port)
     torch.set_num_threads(1)
@@ -50,7 +40,7 @@ def _rank(rank: int, world_size: int, port: int, steps: int, dim: int, blocks: i
 
     def make(mode: str):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, dim), *[_Block(dim) for _ in range(blocks)], nn.Linear(dim, 1))
+        model = nn.Sequential(nn.Linear(4, dim), *[H.ResidualMLP(dim, 2 * dim) for _ in range(blocks)], nn.Linear(dim, 1))
         for block in model[1:-1]:
             fsdp_native.fully_shard(block)
         fsdp_native.fully_shard(model)

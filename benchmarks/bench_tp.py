@@ -31,17 +31,6 @@ if _ROOT not in sys.path:
 from benchmarks import harness as H  # noqa: E402
 
 
-class _Block(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.w1 = nn.Linear(dim, 4 * dim)
-        self.w2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        return x + self.w2(torch.relu(self.w1(self.norm(x))))
-
-
 def _rank(rank: int, world_size: int, port: int, steps: int, dim: int, blocks: int, seq: int) -> dict:
     H.init_pg(rank, world_size, port)
     torch.set_num_threads(1)
@@ -55,7 +44,7 @@ def _rank(rank: int, world_size: int, port: int, steps: int, dim: int, blocks: i
 
     def make(shard):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(dim, dim), *[_Block(dim) for _ in range(blocks)], nn.Linear(dim, 8))
+        model = nn.Sequential(nn.Linear(dim, dim), *[H.ResidualMLP(dim, 4 * dim, norm=True) for _ in range(blocks)], nn.Linear(dim, 8))
         for block in model[1:-1]:
             parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
             shard(block, mesh=mesh["dp"])

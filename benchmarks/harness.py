@@ -104,6 +104,20 @@ def mixed_precision(impl: Impl, precision: str):
 # the training step
 
 
+class ResidualMLP(torch.nn.Module):
+    """``x + w2(relu(w1(norm(x))))`` with ``w1``: dim -> hidden, ``w2``: hidden -> dim; the
+    LayerNorm only with ``norm=True`` (then a tensor-parallel plan leaves it plain)."""
+
+    def __init__(self, dim: int, hidden: int, norm: bool = False):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim) if norm else torch.nn.Identity()
+        self.w1 = torch.nn.Linear(dim, hidden)
+        self.w2 = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(self.norm(x))))
+
+
 def make_batch(input_shape, rank: int, step: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Input and target of one rank at one step: the same for every implementation."""
     g = torch.Generator().manual_seed(1_000_003 * (rank + 1) + step)
