@@ -18,6 +18,8 @@ blocks and the root on ``mesh["dp"]``. 4 gloo ranks as 2 x 2.
   rank's local shard equals the matching chunk of the reference's parameters.
 * **Checkpoints across libraries:** DCP saves fsdp_native's sharded state dict and torch FSDP2 +
   TP loads it (and the other way round); the loaded parameters are the saved ones.
+* **fsdp_native's own quantized all-gather** (fp8_rowwise, NF4) on TP parameters: the
+  unsharded local tensors are the reference's quantized all-gather of the TP-local tensors.
 * **Errors:** a DTensor on the data-parallel mesh itself; an int reshard_after_forward with TP.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dist_utils import assert_close, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, load_impl, quantized_unsharded, raises_exactly, ref_impl, run_distributed, run_grid
 from models import Attention, ModelArgs, TransformerBlock
 
 DIM, HIDDEN, SEQ, BATCH = 16, 40, 8, 3
@@ -322,6 +324,46 @@ def checkpoints(tmp: str) -> None:
 
 def test_tp_checkpoints_load_across_libraries(tmp_path):
     run_distributed(checkpoints, 4, str(tmp_path))
+
+
+def quantized(fmt: str) -> None:
+    """fsdp_native's own quantized all-gather on TP parameters quantizes their TP-local tensors:
+    each unsharded local tensor is the reference's quantized all-gather of the TP-local tensor
+    over the data-parallel ranks (bf16 compute), and a step trains."""
+    impl = load_impl()
+    if impl.name != "fsdp_native":
+        return
+    from fsdp_native import QuantizedAllGather
+
+    torch.manual_seed(0)
+    model = Model()
+    mesh = _mesh(False)
+    locals_ = {}
+    for i, b in enumerate(model.blocks):
+        parallelize_module(b, mesh["tp"], _plan(False))
+        locals_.update({f"blocks.{i}.{n}": p.to_local().detach().clone() for n, p in b.named_parameters() if isinstance(p, DTensor)})
+        for p in b.parameters():
+            p.requires_grad_(fmt != "nf4")  # NF4 gathers frozen weights only
+        policy = impl.mp(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+        impl.fully_shard(b, mesh=mesh["dp"], all_gather=QuantizedAllGather(fmt, min_numel=16), mp_policy=policy)
+    block = model.blocks[1]
+    block.unshard()
+    for n in ("w1.weight", "w2.weight"):
+        got = dict(block.named_parameters())[n]
+        assert isinstance(got, DTensor) and got.dtype == torch.bfloat16, (n, type(got), got.dtype)
+        want = quantized_unsharded(locals_[f"blocks.1.{n}"], fmt, 2)
+        assert_close(f"[{fmt}] blocks.1.{n}", got.to_local(), want, dict(rtol=0, atol=0))
+    block.reshard()
+    impl.fully_shard(model, mesh=mesh["dp"])
+    _train(model, mesh.get_local_rank("dp"), steps=1)
+
+
+def test_tp_with_quantized_all_gather():
+    run_distributed(_quantized_grid, 4)
+
+
+def _quantized_grid() -> None:
+    run_grid([dict(fmt="fp8_rowwise"), dict(fmt="nf4")], quantized, "tp-quant")
 
 
 def errors() -> None:
