@@ -9,7 +9,8 @@ blocks and the root on ``mesh["dp"]``. 4 gloo ranks as 2 x 2.
   unit; and sequence parallelism, whose replicated norm weights get ``Partial`` gradients that
   must be all-reduced over TP before the data-parallel reduce-scatter (once, after gradient
   accumulation without sync; in fp32 for bf16 compute from torch 2.15). fp32 and bf16 compute
-  with fp32 reduction, gradient accumulation without sync, HSDP (a 3-D mesh).
+  with fp32 reduction, gradient accumulation without sync, HSDP (a 3-D mesh), and torchtitan's
+  meta-device flow (parallelize and shard on meta, ``to_empty``, initialise the DTensors).
 * **pytorch/examples' ``fsdp_tp_example.py``** (its plan on a small Llama: row-wise
   embeddings, sequence-parallel norms, column/row-wise attention and feed-forward, the whole
   model one unit as there, and also a unit per block): losses and local shards bit for bit
@@ -85,9 +86,12 @@ def _mesh(hsdp: bool):
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def _build(impl, sp: bool, hsdp: bool, mp: bool, seed: int = 0, raf=True):
+def _build(impl, sp: bool, hsdp: bool, mp: bool, seed: int = 0, raf=True, meta: bool = False):
+    """The model with the TP plan and fully_shard; with `meta`, as torchtitan: built on the meta
+    device, parallelized and sharded there, then ``to_empty`` and initialised on the DTensors."""
     torch.manual_seed(seed)
-    model = Model()
+    with torch.device("meta" if meta else "cpu"):
+        model = Model()
     mesh = _mesh(hsdp)
     tp, dp = mesh["tp"], mesh["rep", "dp"] if hsdp else mesh["dp"]
     for b in model.blocks:
@@ -101,6 +105,15 @@ def _build(impl, sp: bool, hsdp: bool, mp: bool, seed: int = 0, raf=True):
     for b in model.blocks:
         impl.fully_shard(b, **kw)
     impl.fully_shard(model, **kw)
+    if meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    torch.nn.init.normal_(p, std=0.1)
     return model, mesh
 
 
@@ -146,13 +159,13 @@ def _expected_local(full: torch.Tensor, p: DTensor) -> torch.Tensor:
     return local
 
 
-def parity(sp: bool, mp: bool, hsdp: bool = False, accum: int = 1) -> None:
+def parity(sp: bool, mp: bool, hsdp: bool = False, accum: int = 1, meta: bool = False) -> None:
     impl = load_impl()
-    what = f"[{impl.name}] sp={sp} mp={mp} hsdp={hsdp} accum={accum}"
-    got_model, mesh = _build(impl, sp, hsdp, mp)
+    what = f"[{impl.name}] sp={sp} mp={mp} hsdp={hsdp} accum={accum} meta={meta}"
+    got_model, mesh = _build(impl, sp, hsdp, mp, meta=meta)
     dp_rank = mesh.get_local_rank("dp")
     got = _train(got_model, dp_rank, accum=accum)
-    ref_model, _ = _build(ref_impl(), sp, hsdp, mp)
+    ref_model, _ = _build(ref_impl(), sp, hsdp, mp, meta=meta)
     ref = _train(ref_model, dp_rank, accum=accum)
     assert_close(f"{what}: losses", got, ref, dict(rtol=0, atol=0))
     a, b = _locals(got_model), _locals(ref_model)
@@ -167,6 +180,7 @@ def parity(sp: bool, mp: bool, hsdp: bool = False, accum: int = 1) -> None:
 def parity_grid() -> None:
     configs = [dict(sp=s, mp=m) for s in (False, True) for m in (False, True)]
     more = [dict(sp=False, mp=True, accum=2), dict(sp=True, mp=True, accum=2), dict(sp=True, mp=False, hsdp=True)]
+    more.append(dict(sp=True, mp=True, meta=True))
     run_grid(configs + more, parity, "tp")
 
 
