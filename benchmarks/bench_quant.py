@@ -14,7 +14,10 @@ bytes + destination bytes, split evenly between read and write). "% floor" is fl
 time. Implementations run interleaved round by round (op, floor, op, ...), so load from other
 processes hits both alike; times are the fastest round, medians in parentheses.
 
-    .venv/bin/python benchmarks/bench_quant.py [--rounds 15] [--threads 1 2] [--clock wall|thread]
+    .venv/bin/python benchmarks/bench_quant.py [--rounds 15] [--threads 1 2] [--clock wall|thread] [--ops NAME ...]
+
+``--ops`` keeps the ops whose names are given (e.g. "quantize nf4"); with another build first on
+``PYTHONPATH`` it times that build (two builds alternated: before and after a kernel change).
 
 ``--clock thread`` times CPU time of the calling thread (with 1 thread the op runs on it),
 which a loaded machine disturbs less than wall time.
@@ -96,6 +99,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    ap.add_argument("--ops", nargs="+", default=None, help="only these ops (names as printed)")
     args = ap.parse_args()
     global CLOCK
     if args.clock == "thread":
@@ -109,6 +113,8 @@ def main() -> None:
             print(f"\n{name}, {threads} thread(s)")
             print(f"{'op':40s} {'MB':>8s} {'op ms':>16s} {'floor ms':>16s} {'GB/s':>6s} {'% floor':>14s}")
             for label, fn, nbytes in cases(shapes):
+                if args.ops is not None and label not in args.ops:
+                    continue
                 half = max(nbytes // 2, 1)
                 s, d = torch.empty(half, dtype=torch.uint8).fill_(1), torch.empty(half, dtype=torch.uint8)
                 op, fl = _bench(fn, lambda: d.copy_(s), args.rounds)
