@@ -21,7 +21,8 @@ blocks and the root on ``mesh["dp"]``. 4 gloo ranks as 2 x 2.
   TP loads it (and the other way round); the loaded parameters are the saved ones.
 * **fsdp_native's own quantized all-gather** (fp8_rowwise, NF4) on TP parameters: the
   unsharded local tensors are the reference's quantized all-gather of the TP-local tensors.
-* **Errors:** a DTensor on the data-parallel mesh itself; an int reshard_after_forward with TP.
+* **Errors:** a DTensor on the data-parallel mesh itself, or on a mesh over the same ranks as
+  it; an int reshard_after_forward with TP.
 """
 from __future__ import annotations
 
@@ -393,6 +394,25 @@ def errors() -> None:
         "a smaller mesh after forward) is not supported for tensor-parallel parameters, as in torch FSDP2; pass a bool",
         lambda: impl.fully_shard(model.blocks[0], mesh=mesh["dp"], reshard_after_forward=2),
     )
+    # A "TP" mesh over the data-parallel ranks themselves does not compose (the error's middle
+    # is torch's own text).
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    mesh22 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    lin = nn.Linear(4, 4)
+    parallelize_module(lin, other["a"], ColwiseParallel())
+    try:
+        impl.fully_shard(lin, mesh=mesh22["dp"])
+    except ValueError as e:
+        want = (
+            f"fully_shard: parameter 'weight' is a DTensor on mesh {other['a']} that does not compose with the "
+            f"data-parallel mesh {mesh22['dp']}: "
+        )
+        assert str(e).startswith(want) and str(e).endswith(
+            "; expected the TP mesh and the data-parallel mesh to be distinct dims of one device mesh (a parameter "
+            "sharded by another fully_shard cannot be sharded again)"
+        ), str(e)
+    else:
+        raise AssertionError("a TP mesh over the data-parallel ranks was accepted")
     dp = mesh["dp"]
     bad = nn.Linear(4, 4)
     bad.weight = nn.Parameter(distribute_tensor(bad.weight.detach(), dp, (Shard(0),)))
