@@ -230,7 +230,8 @@ class Llama(nn.Module):
 def _example_run(impl, per_block: bool) -> dict:
     """pytorch/examples' fsdp_tp_example.py: its device mesh, its TP/SP plan (the attention's
     second input, freqs_cis, left out), ``fully_shard(model, mesh=dp_mesh)``, AdamW with
-    foreach, ``output.sum().backward()`` on tokens seeded by step and dp rank."""
+    foreach, ``output.sum().backward()`` on tokens seeded by step and dp rank; plus
+    ``clip_grad_norm_`` (whose norm is recorded with the losses)."""
     args = ModelArgs(n_layers=2, vocab_size=64, dim=32, n_heads=4)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
@@ -269,6 +270,8 @@ def _example_run(impl, per_block: bool) -> dict:
         out = model(torch.randint(args.vocab_size, (4, 16)))
         loss = out.sum()
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # every parameter on the 2-D mesh
+        losses.append(norm.full_tensor().item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
