@@ -5,7 +5,13 @@ _C = _load_extension()
 
 from fsdp_native import checkpoint, ops  # noqa: E402
 from fsdp_native import quant  # noqa: E402,F401  (quantized all-gather formats)
-from fsdp_native._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, QuantizedAllGather  # noqa: E402
+from fsdp_native._api import (  # noqa: E402
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    QuantizedAllGather,
+)
 from fsdp_native._dtensor import ShardedDTensor  # noqa: E402
 from fsdp_native._fully_shard import (  # noqa: E402
     FSDPModule,
@@ -22,6 +28,7 @@ from fsdp_native._wrap import shard_model  # noqa: E402
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "GradientReductionHandle",
     "MixedPrecisionPolicy",

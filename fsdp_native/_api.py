@@ -58,6 +58,35 @@ class QuantizedAllGather:
 
 
 @dataclass
+class _DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data parallel (torch 2.13's
+    ``DataParallelMeshDims``, for torch versions without it): ``shard`` (FSDP) and optionally
+    ``replicate`` (HSDP), each a dim name."""
+
+    shard: "str | tuple[str, ...] | None" = None
+    replicate: "str | tuple[str, ...] | None" = None
+
+    def __post_init__(self):
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
+    @property
+    def shard_names(self) -> tuple:
+        return () if self.shard is None else (self.shard,) if isinstance(self.shard, str) else tuple(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple:
+        return () if self.replicate is None else (self.replicate,) if isinstance(self.replicate, str) else tuple(self.replicate)
+
+
+try:  # torch 2.13+: torch's own, so that either import works with either library
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:
+    DataParallelMeshDims = _DataParallelMeshDims
+    DataParallelMeshDims.__name__ = DataParallelMeshDims.__qualname__ = "DataParallelMeshDims"
+
+
+@dataclass
 class OffloadPolicy:
     """The default: no offloading. Sharded parameters and gradients live on the mesh's device."""
 

@@ -56,7 +56,9 @@ def fully_shard(
         mp_policy: mixed precision (fsdp_native's or torch's ``MixedPrecisionPolicy``).
         offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()`` (fsdp_native's or torch's).
         ignored_params: parameters left unsharded and unreduced.
-        dp_mesh_dims: not supported (SPMD meshes); must be None.
+        dp_mesh_dims: a ``DataParallelMeshDims`` (torch 2.13's SPMD form): ``mesh`` is the full
+            mesh, every parameter a DTensor on it, replicated on the named data-parallel dims
+            (one shard dim, optionally one replicate dim).
         all_gather: fsdp_native only: a :class:`QuantizedAllGather` makes the unit's all-gather
             move fp8 or NF4 bytes, dequantized into ``param_dtype`` for compute; ``None``
             (the default) gathers the parameters as torch does.
@@ -76,8 +78,6 @@ def fully_shard(
                 f"fully_shard: argument 'module' is a {type(m).__name__}, a container without forward; "
                 "shard its children instead"
             )
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("fully_shard: argument 'dp_mesh_dims' is not supported by fsdp_native; pass a 1-D or 2-D data-parallel mesh")
     _check_all_gather(all_gather)
     mp = normalize_mp_policy(mp_policy)
     offload = normalize_offload_policy(offload_policy)
@@ -86,7 +86,11 @@ def fully_shard(
             f"fully_shard: argument 'reshard_after_forward' must be a bool or an int, got {type(reshard_after_forward).__name__}"
         )
     mesh = mesh if mesh is not None else default_mesh()
-    info = mesh_info(mesh)
+    spmd = None
+    if dp_mesh_dims is not None:
+        info, spmd = _tp.spmd_mesh_info(mesh, dp_mesh_dims)
+    else:
+        info = mesh_info(mesh)
     if offload is not None and offload.pin_memory and info.device.type != "cpu" and not torch.cuda.is_available():
         raise ValueError("fully_shard: argument 'offload_policy' asks for pinned memory, expected a CUDA device for it")
     raf, post = _reshard_after_forward(reshard_after_forward, info)
@@ -104,7 +108,7 @@ def fully_shard(
     ignored = set(ignored_params or ())
     params, owners = _collect_params(modules, ignored)
     names = _param_names(modules, params)
-    _check_not_sharded(modules, params, owners, names, info)
+    _check_not_sharded(modules, params, owners, names, info, spmd)
     for p, name in zip(params, names):
         if p.dim() == 0:
             raise ValueError(
@@ -112,11 +116,11 @@ def fully_shard(
                 "make it a 1-D tensor of size 1"
             )
     _check_devices(params, names)
-    local, tp_specs = _tp.split(params, names, info, post is not None)
+    local, tp_specs = _tp.split(params, names, info, post is not None, spmd)
     shard_dims = _shard_dims(shard_placement_fn, params, names, info, [p.shape for p in local])
     param_dtypes = resolve_param_dtypes(mp, params, names)  # the user's parameters, as torch calls it
     params = [_to_device(p, info.device) for p in local]
-    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes, shard_dims, tp_specs)
+    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes, shard_dims, tp_specs, spmd)
     pre_hook, post_hook = _eager_hooks()
     for m in modules:
         m._fsdp_native_unit = unit
@@ -297,11 +301,12 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Par
     return params, owners
 
 
-def _check_not_sharded(modules, params, owners, names, info) -> None:
+def _check_not_sharded(modules, params, owners, names, info, spmd=None) -> None:
     """A parameter that is already a DTensor cannot be sharded again: by fsdp_native it means a
     parent was sharded before this submodule (fully_shard goes bottom-up); on the data-parallel
     mesh itself (or an unnamed mesh), torch's fully_shard made it. A DTensor of tensor
-    parallelism, on another dim of the same device mesh, composes (:mod:`_tp`)."""
+    parallelism, on another dim of the same device mesh, composes (:mod:`_tp`), and with
+    ``dp_mesh_dims`` a DTensor on the full mesh is what is sharded."""
     for p, owner, name in zip(params, owners, names):
         if not isinstance(p, DTensor):
             continue
@@ -315,6 +320,8 @@ def _check_not_sharded(modules, params, owners, names, info) -> None:
                 f"{type(mod).__name__} that is already sharded by fsdp_native in the unit of {holder}"
                 f"{f' {unit.fqn!r}' if unit.fqn else ''}; call fully_shard on submodules before their parents"
             )
+        if spmd is not None and p.device_mesh == spmd.mesh:
+            continue
         if p.device_mesh == info.mesh or p.device_mesh.mesh_dim_names is None:
             raise ValueError(
                 f"fully_shard: argument 'module' ({type(modules[0]).__name__}) has parameter '{name}' of "

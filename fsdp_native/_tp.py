@@ -16,10 +16,18 @@ parameter. At the edges:
   parameter used on sharded activations, is all-reduced over TP) and its local tensor reduced;
   gradients accumulated without sync stay DTensors until then, so a ``Partial`` one is
   all-reduced once, in the accumulation dtype, as torch FSDP2 does.
+
+The SPMD form (torch 2.13's ``dp_mesh_dims``) is the same with one mesh throughout: every
+parameter is a DTensor on the full mesh, ``Replicate()`` on its data-parallel dims (:class:`Spmd`);
+the sharded parameter takes ``Shard(d)`` (or ``_StridedShard``, counting the shards of dim d on the
+mesh dims after it) on the shard dim, and the gradient keeps what it has on the data-parallel
+dims (a ``Partial`` there is the reduce-scatter's to sum).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -30,22 +38,78 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
 from fsdp_native import _compat, _extension
+from fsdp_native._mesh import mesh_info
 
 
-def split(params: list, names: list[str], info, post_forward: bool) -> tuple[list, list]:
+@dataclass(frozen=True)
+class Spmd:
+    """``dp_mesh_dims`` resolved: the full mesh and the indices of its shard dim and (HSDP)
+    replicate dim."""
+
+    mesh: DeviceMesh
+    shard: int
+    replicate: int | None
+
+    @property
+    def dp_dims(self) -> tuple[int, ...]:
+        return (self.shard,) if self.replicate is None else (self.replicate, self.shard)
+
+
+def spmd_mesh_info(mesh, dims):
+    """(the unit's MeshInfo, :class:`Spmd`) for ``fully_shard(mesh=mesh, dp_mesh_dims=dims)``: the
+    data-parallel mesh is ``mesh[shard]``, or ``mesh[replicate]`` and ``mesh[shard]`` (HSDP)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: argument 'mesh' must be a DeviceMesh with dp_mesh_dims, got {type(mesh).__name__}")
+    if not (hasattr(dims, "shard_names") and hasattr(dims, "replicate_names")):
+        raise TypeError(f"fully_shard: argument 'dp_mesh_dims' must be a DataParallelMeshDims, got {type(dims).__name__}")
+    if mesh.mesh_dim_names is None:
+        raise ValueError("fully_shard: argument 'mesh' must have mesh_dim_names when dp_mesh_dims is given")
+    shard, replicate = tuple(dims.shard_names), tuple(dims.replicate_names)
+    for name in shard + replicate:
+        if name not in mesh.mesh_dim_names:
+            raise ValueError(f"fully_shard: argument 'dp_mesh_dims' names mesh dim {name!r}, not in the mesh's {mesh.mesh_dim_names}")
+    if not shard:
+        raise NotImplementedError("fully_shard: argument 'dp_mesh_dims' without shard dims (replication only) is not supported by fsdp_native")
+    if len(shard) > 1 or len(replicate) > 1:
+        raise NotImplementedError(
+            f"fully_shard: argument 'dp_mesh_dims' names several shard or replicate dims ({shard}, {replicate}); "
+            "fsdp_native takes one of each (flatten them into one mesh dim first)"
+        )
+    names = mesh.mesh_dim_names
+    spmd = Spmd(mesh, names.index(shard[0]), names.index(replicate[0]) if replicate else None)
+    dp = mesh[shard[0]] if not replicate else DeviceMesh._concatenate([mesh[replicate[0]], mesh[shard[0]]])
+    return mesh_info(dp), spmd
+
+
+def split(params: list, names: list[str], info, post_forward: bool, spmd: Spmd | None = None) -> tuple[list, list]:
     """(the parameters with each TP DTensor replaced by a plain parameter over its local
     tensor, the TP specs: None for a plain parameter). Checks what fsdp_native composes with."""
     out, specs = [], []
     for p, name in zip(params, names):
         if not isinstance(p, DTensor):
+            if spmd is not None:
+                raise ValueError(
+                    f"fully_shard: parameter '{name}' is a plain tensor; with dp_mesh_dims every parameter must be a "
+                    f"DTensor on the mesh {spmd.mesh} (e.g. by distribute_module)"
+                )
             out.append(p)
             specs.append(None)
             continue
         spec = p._spec
         where = f"fully_shard: parameter '{name}' is a DTensor on mesh {spec.mesh}"
-        if spec.mesh.device_type != info.mesh.device_type:
+        if spmd is not None:
+            if spec.mesh != spmd.mesh:
+                raise ValueError(f"{where}, expected the mesh given to fully_shard with dp_mesh_dims, {spmd.mesh}")
+            wrong = [i for i in spmd.dp_dims if not isinstance(spec.placements[i], Replicate)]
+            if wrong:
+                raise ValueError(
+                    f"{where} with placements {tuple(spec.placements)}, expected Replicate() on the data-parallel dims "
+                    f"{tuple(spmd.mesh.mesh_dim_names[i] for i in spmd.dp_dims)}"
+                )
+        elif spec.mesh.device_type != info.mesh.device_type:
             raise ValueError(f"{where} of device type {spec.mesh.device_type!r}, expected the data-parallel mesh's {info.mesh.device_type!r}")
-        spmd_mesh(info.mesh, spec.mesh, where)  # raises for meshes that do not compose
+        else:
+            spmd_mesh(info.mesh, spec.mesh, where)  # raises for meshes that do not compose
         bad = [pl for pl in spec.placements if isinstance(pl, Partial) or not isinstance(pl, (Shard, Replicate))]
         if bad:
             raise ValueError(f"{where} with placements {tuple(spec.placements)}, expected Shard or Replicate placements only")
@@ -91,8 +155,15 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, where: str = "fully_shar
     return mesh
 
 
-def placements(spec: DTensorSpec, info, dim: int) -> tuple:
-    """The sharded parameter's placements on :func:`spmd_mesh`."""
+def placements(spec: DTensorSpec, info, dim: int, spmd: Spmd | None = None) -> tuple:
+    """The sharded parameter's placements on :func:`spmd_mesh`, or on the SPMD mesh."""
+    if spmd is not None:
+        pls = list(spec.placements)
+        split_factor = math.prod(
+            spmd.mesh.size(j) for j in range(spmd.shard + 1, spmd.mesh.ndim) if isinstance(pls[j], Shard) and pls[j].dim == dim
+        )
+        pls[spmd.shard] = _StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
+        return tuple(pls)
     split_factor = spec.num_shards_map[dim]
     fsdp = _StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
     return (*info.placements[:-1], fsdp, *spec.placements)
@@ -108,20 +179,23 @@ def unsharded(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn
     return p
 
 
-def local_grad(grad, spec: DTensorSpec, reduce_dtype: torch.dtype | None) -> torch.Tensor:
-    """The local tensor of an unsharded parameter's gradient, in the parameter's TP placements.
-    From torch 2.15 a parameter with a ``Replicate`` TP placement (whose gradient may be
-    ``Partial``) takes its gradient in `reduce_dtype` where that is wider, so that the TP
+def local_grad(grad, spec: DTensorSpec, reduce_dtype: torch.dtype | None, spmd: Spmd | None = None) -> torch.Tensor:
+    """The local tensor of an unsharded parameter's gradient, in the parameter's TP placements
+    (with SPMD: on the dims that are not data parallel; the data-parallel dims keep the
+    gradient's). From torch 2.15 a parameter with a ``Replicate`` TP placement (whose gradient
+    may be ``Partial``) takes its gradient in `reduce_dtype` where that is wider, so that the TP
     reduction runs in it, as torch FSDP2 has autograd accumulate it (``grad_dtype``)."""
+    dp = () if spmd is None else spmd.dp_dims
     if (
         _compat.TP_GRAD_IN_REDUCE_DTYPE
         and reduce_dtype is not None
         and grad.dtype.is_floating_point
         and reduce_dtype.itemsize > grad.dtype.itemsize
-        and any(isinstance(pl, Replicate) for pl in spec.placements)
+        and any(isinstance(pl, Replicate) for i, pl in enumerate(spec.placements) if i not in dp)
     ):
         grad = grad.to(reduce_dtype)
-    if tuple(grad.placements) != tuple(spec.placements):
-        grad = grad.redistribute(placements=spec.placements)
+    target = tuple(grad.placements[i] if i in dp else pl for i, pl in enumerate(spec.placements))
+    if tuple(grad.placements) != target:
+        grad = grad.redistribute(placements=target)
     local = grad._local_tensor
     return local.wait() if isinstance(local, AsyncCollectiveTensor) else local

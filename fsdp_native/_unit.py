@@ -90,6 +90,7 @@ class Unit:
         param_dtypes: list[torch.dtype | None] | None = None,
         shard_dims: list[int] | None = None,
         tp_specs: list | None = None,
+        spmd: "_tp.Spmd | None" = None,
     ) -> None:
         self.modules = modules
         self.owners = owners
@@ -132,6 +133,7 @@ class Unit:
         self.shard_dims = [0] * len(params) if shard_dims is None else list(shard_dims)  # per parameter, in unit order
         # Per parameter: the DTensor spec tensor parallelism gave it before fully_shard (_tp), or None.
         self.tp_specs = [None] * len(params) if tp_specs is None else list(tp_specs)
+        self.spmd = spmd  # dp_mesh_dims: every parameter a DTensor on this full mesh (_tp.Spmd)
         if param_dtypes is None:
             param_dtypes = [mp.param_dtype] * len(params)
         order = itemsize_order(params, param_dtypes)
@@ -241,14 +243,16 @@ class Unit:
         tensor-parallel parameter's TP placements (:mod:`_tp`)."""
         d, spec = self.shard_dims[i], self.tp_specs[i]
         if spec is not None:
-            return _tp.placements(spec, self.info, d)
+            return _tp.placements(spec, self.info, d, self.spmd)
         placements = self.info.placements
         return placements if d == 0 else (*placements[:-1], Shard(d))
 
     def mesh(self, i: int):
         """Parameter `i`'s DTensor mesh: the unit's, or it and the TP mesh (:mod:`_tp`)."""
         spec = self.tp_specs[i]
-        return self.info.mesh if spec is None else _tp.spmd_mesh(self.info.mesh, spec.mesh)
+        if spec is None:
+            return self.info.mesh
+        return self.spmd.mesh if self.spmd is not None else _tp.spmd_mesh(self.info.mesh, spec.mesh)
 
     def global_shape(self, i: int) -> torch.Size:
         """Parameter `i`'s global shape (the layout's is the TP-local one)."""
@@ -777,7 +781,7 @@ class Unit:
     def _local_grad(self, i: int, grad):
         """Unsharded gradient `grad` of parameter `i` as the plain tensor the reducer takes."""
         spec = self.tp_specs[i]
-        return grad if grad is None or spec is None else _tp.local_grad(grad, spec, self.policy_reduce_dtype)
+        return grad if grad is None or spec is None else _tp.local_grad(grad, spec, self.policy_reduce_dtype, self.spmd)
 
     def has_unreduced_grads(self) -> bool:
         """Gradients accumulated by backwards without gradient sync, not reduced yet."""
