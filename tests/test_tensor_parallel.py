@@ -15,8 +15,9 @@ blocks and the root on ``mesh["dp"]``. 4 gloo ranks as 2 x 2.
   embeddings, sequence-parallel norms, column/row-wise attention and feed-forward, the whole
   model one unit as there, and also a unit per block): losses and local shards bit for bit
   torch FSDP2's.
-* **Against the unsharded model** on one rank (both data-parallel batches, averaged): every
-  rank's local shard equals the matching chunk of the reference's parameters.
+* **Against the unsharded model** on one rank (both data-parallel batches, averaged; SGD, which
+  unlike Adam shows a wrong gradient scale): every rank's local shard equals the matching chunk
+  of the reference's parameters.
 * **Checkpoints across libraries:** DCP saves fsdp_native's sharded state dict and torch FSDP2 +
   TP loads it (and the other way round); the loaded parameters are the saved ones.
 * **fsdp_native's own quantized all-gather** (fp8_rowwise, NF4) on TP parameters: the
@@ -128,8 +129,13 @@ def _batches(steps: int, dp_rank: int | None):
     return out
 
 
-def _train(model, dp_rank: int, steps: int = 3, accum: int = 1) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _opt(params, sgd: bool):
+    # SGD against the unsharded model: Adam would hide a wrong gradient scale.
+    return torch.optim.SGD(params, lr=0.1) if sgd else torch.optim.AdamW(params, lr=1e-2)
+
+
+def _train(model, dp_rank: int, steps: int = 3, accum: int = 1, sgd: bool = False) -> list[float]:
+    opt = _opt(model.parameters(), sgd)
     losses = []
     for x in _batches(steps, dp_rank):
         for micro, xm in enumerate(x.chunk(accum)):
@@ -297,13 +303,13 @@ def test_fsdp_tp_example_flow_matches_torch_fsdp2():
 
 
 def reference() -> None:
-    """fsdp_native + TP against the unsharded model trained on both batches at once."""
+    """fsdp_native + TP against the unsharded model trained on both batches at once (SGD)."""
     impl = load_impl()
     model, mesh = _build(impl, True, False, False)
-    _train(model, mesh.get_local_rank("dp"))
+    _train(model, mesh.get_local_rank("dp"), sgd=True)
     torch.manual_seed(0)
     ref = Model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = _opt(ref.parameters(), True)
     for x in _batches(3, None):
         ref(x).pow(2).mean().backward()
         opt.step()
