@@ -129,30 +129,23 @@ def split(params: list, names: list[str], info, post_forward: bool, spmd: Spmd |
     return out, specs
 
 
-_MESHES: dict = {}
-
-
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, where: str = "fully_shard") -> DeviceMesh:
     """The data-parallel mesh's dims followed by the TP mesh's, one mesh (as torch FSDP2 builds
-    it); both must come from one device mesh and not overlap."""
-    key = (dp_mesh, tp_mesh)
-    mesh = _MESHES.get(key)
-    if mesh is None:
-        if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
-            raise ValueError(
-                f"{where}: the data-parallel mesh and the tensor-parallel mesh must be named dims of one device mesh "
-                "(init_device_mesh(..., mesh_dim_names=...), then mesh['dp'] and mesh['tp'])"
-            )
-        try:
-            mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
-        except RuntimeError as e:
-            raise ValueError(
-                f"{where} that does not compose with the data-parallel mesh {dp_mesh}: {e}; expected the TP mesh and "
-                "the data-parallel mesh to be distinct dims of one device mesh (a parameter sharded by another "
-                "fully_shard cannot be sharded again)"
-            ) from None
-        _MESHES[key] = mesh
-    return mesh
+    it, per parameter); both must come from one device mesh and not overlap. Not cached: meshes
+    compare by layout, and a cached one could carry the process groups of a destroyed world."""
+    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"{where}: the data-parallel mesh and the tensor-parallel mesh must be named dims of one device mesh "
+            "(init_device_mesh(..., mesh_dim_names=...), then mesh['dp'] and mesh['tp'])"
+        )
+    try:
+        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"{where} that does not compose with the data-parallel mesh {dp_mesh}: {e}; expected the TP mesh and "
+            "the data-parallel mesh to be distinct dims of one device mesh (a parameter sharded by another "
+            "fully_shard cannot be sharded again)"
+        ) from None
 
 
 def placements(spec: DTensorSpec, info, dim: int, spmd: Spmd | None = None) -> tuple:
