@@ -32,6 +32,16 @@ from fsdp_native._env import non_negative_int
 
 _TAG = 0x46534450  # "FSDP"
 
+
+def group_allocate(group: dist.ProcessGroup, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A collective's buffer from the process group's own allocator where its backend has one
+    (NCCL's, for zero-copy transfers), else ``torch.empty``, as torch FSDP2 allocates with
+    ``set_allocate_memory_from_process_group_for_comm``."""
+    backend = group._get_backend(device)
+    if backend.supports_tensor_alloc(device):
+        return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device)
+    return torch.empty(*size, dtype=dtype, device=device)
+
 # Per-peer message size from which gloo collectives become point-to-point exchanges
 # (FSDP_NATIVE_P2P_MIN_BYTES; 0 turns the point-to-point path off). 2 MiB: the overhead
 # model's 1 MiB messages lose as exchanges (they cannot be polled), while the 2.4 MB fp8

@@ -626,7 +626,21 @@ class FSDPModule(_TorchFSDPModule):
             u.rs_group = groups[ranks]
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        self._not_implemented("set_allocate_memory_from_process_group_for_comm")
+        """This unit's all-gather and reduce-scatter buffers from the process group's own
+        allocator where its backend has one (NCCL's: zero-copy transfers over NVLink SHARP or
+        InfiniBand), else as before; this module's unit only, as in torch FSDP2. Not with a
+        custom all-gather or reduce-scatter."""
+        if not isinstance(enable, bool):
+            raise TypeError(
+                f"set_allocate_memory_from_process_group_for_comm: argument 'enable' must be a bool, got {type(enable).__name__}"
+            )
+        unit = self._unit
+        if enable and (unit.ag_comm is not None or unit.rs_comm is not None):
+            raise RuntimeError(
+                "set_allocate_memory_from_process_group_for_comm: this unit has a custom all-gather or reduce-scatter "
+                "(set_custom_all_gather / set_custom_reduce_scatter), which allocates its own buffers"
+            )
+        unit.pg_alloc = enable
 
     def set_symm_mem_for_comm(self, *args, **kwargs) -> None:
         self._not_implemented("set_symm_mem_for_comm")

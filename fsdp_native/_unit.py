@@ -25,6 +25,7 @@ copy-out copies bytes. Still one collective per unit.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -160,6 +161,7 @@ class Unit:
         self.shared_comm = None  # share_comm_ctx: a SharedComm that this unit's root uses
         self.rs_group = None  # set_separate_reduce_scatter_group: the reduce-scatters' own group
         self.rs_max_inputs = 1  # set_reduce_scatter_max_input_buffers: reductions kept in flight
+        self.pg_alloc = False  # set_allocate_memory_from_process_group_for_comm
         self.backward_reached = False  # pre-backward ran in this backward
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None
@@ -581,9 +583,22 @@ class Unit:
         self.pending_ag = PendingAllGather(work, out)
 
     def _ag_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The all-gather output: from the custom all-gather's ``allocate`` when one is set."""
-        alloc = torch.empty if self.ag_comm is None else self.ag_comm.allocate
-        return alloc((numel,), dtype=dtype, device=self.device)
+        """The all-gather output: from the custom all-gather's ``allocate`` when one is set, or
+        from the process group's allocator (``pg_alloc``)."""
+        if self.ag_comm is not None:
+            return self.ag_comm.allocate((numel,), dtype=dtype, device=self.device)
+        if self.pg_alloc:
+            return _comm.group_allocate(self.info.shard_group, (numel,), dtype=dtype, device=self.device)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def rs_allocator(self, group):
+        """What allocates the reduce-scatter's buffers, with ``torch.empty``'s (size, *, dtype,
+        device): the custom reduce-scatter's ``allocate``, the process group's, or torch's."""
+        if self.rs_comm is not None:
+            return self.rs_comm.allocate
+        if self.pg_alloc:
+            return functools.partial(_comm.group_allocate, group)
+        return torch.empty
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, rank: int, size: int):
         if self.ag_comm is None:
@@ -804,7 +819,7 @@ class Unit:
         """Units with equal keys can share one reduce-scatter."""
         # A unit with a custom reduce-scatter calls it for its gradients alone, as torch FSDP2 does.
         alone = None if self.rs_comm is None else id(self)
-        return (self.reduce_dtype, self.rs_group or self.info.shard_group, self.device, self._divide_factors(), alone)
+        return (self.reduce_dtype, self.rs_group or self.info.shard_group, self.device, self._divide_factors(), alone, self.pg_alloc)
 
     def can_reduce_in_place(self, has_grad: list[bool]) -> bool:
         """Whether the reduce-scatter may write straight into the sharded-gradient buffer."""
