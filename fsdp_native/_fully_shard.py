@@ -47,7 +47,8 @@ def fully_shard(
     Args:
         module: the module, or a list of modules sharing one unit.
         mesh: a 1-D mesh (FSDP) or 2-D mesh (HSDP, dims ``(replicate, shard)``); default: the
-            whole world on the default device type.
+            whole world on the default device type. Tensor-parallel DTensor parameters on
+            other dims of the same device mesh are sharded over it too (``_tp``).
         reshard_after_forward: ``True`` frees the unsharded parameters after forward and
             all-gathers again in backward; ``False`` keeps them; an ``int`` reshards to that
             many ranks; ``None`` is ``True`` except for the root, which is ``False``.
