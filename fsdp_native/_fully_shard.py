@@ -302,6 +302,12 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Par
     return params, owners
 
 
+def _check_bool(method: str, arg: str, value) -> None:
+    """A setter's bool argument: anything else (an int included) raises TypeError naming both."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}: argument '{arg}' must be a bool, got {type(value).__name__}")
+
+
 def _check_not_sharded(modules, params, owners, names, info, spmd=None) -> None:
     """A parameter that is already a DTensor cannot be sharded again: by fsdp_native it means a
     parent was sharded before this submodule (fully_shard goes bottom-up); on the data-parallel
@@ -541,11 +547,7 @@ class FSDPModule(_TorchFSDPModule):
         as zeros, so every rank reduces the same parameters when ranks use different ones
         (conditional computation: mixture of experts, multi-modal models), as in torch FSDP2.
         Such a parameter then gets a zero gradient where it would have none."""
-        if not isinstance(reduce_scatter_unused_params, bool):
-            raise TypeError(
-                "set_reduce_scatter_unused_params: argument 'reduce_scatter_unused_params' must be a bool, "
-                f"got {type(reduce_scatter_unused_params).__name__}"
-            )
+        _check_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params", reduce_scatter_unused_params)
         for u in self._targets(recurse):
             u.reduce_unused = reduce_scatter_unused_params
 
@@ -554,8 +556,7 @@ class FSDPModule(_TorchFSDPModule):
         data pointers then stay the same from one unshard to the next (CUDA graph capture), at
         the cost of holding the unsharded bytes between unshards. The parameters registered on
         the modules are still the sharded ones after a reshard."""
-        if not isinstance(keep, bool):
-            raise TypeError(f"set_keep_unsharded_storage: argument 'keep' must be a bool, got {type(keep).__name__}")
+        _check_bool("set_keep_unsharded_storage", "keep", keep)
         for u in self._targets(recurse):
             u.keep_unsharded = keep
 
@@ -565,8 +566,7 @@ class FSDPModule(_TorchFSDPModule):
         and :meth:`finalize_backward`, called after the step's last backward, does it once,
         following the gradient sync and reshard settings in force then. Set it before a
         backward; the mode of a backward iteration holds until it is finalized."""
-        if not isinstance(enabled, bool):
-            raise TypeError(f"set_manual_backward_finalization: argument 'enabled' must be a bool, got {type(enabled).__name__}")
+        _check_bool("set_manual_backward_finalization", "enabled", enabled)
         unit = self._unit
         ctx = unit.ctx
         if ctx is not None:
@@ -614,8 +614,7 @@ class FSDPModule(_TorchFSDPModule):
         per set of shard ranks), so they can progress beside the all-gathers of the backward,
         as torch FSDP2 2.15; ``False`` goes back to the shard group. Call it on every rank of
         the shard groups, in the same order."""
-        if not isinstance(enable, bool):
-            raise TypeError(f"set_separate_reduce_scatter_group: argument 'enable' must be a bool, got {type(enable).__name__}")
+        _check_bool("set_separate_reduce_scatter_group", "enable", enable)
         groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for u in self._targets(recurse):
             if not enable:
@@ -631,10 +630,7 @@ class FSDPModule(_TorchFSDPModule):
         allocator where its backend has one (NCCL's: zero-copy transfers over NVLink SHARP or
         InfiniBand), else as before; this module's unit only, as in torch FSDP2. Not with a
         custom all-gather or reduce-scatter."""
-        if not isinstance(enable, bool):
-            raise TypeError(
-                f"set_allocate_memory_from_process_group_for_comm: argument 'enable' must be a bool, got {type(enable).__name__}"
-            )
+        _check_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
         unit = self._unit
         if enable and (unit.ag_comm is not None or unit.rs_comm is not None):
             raise RuntimeError(

@@ -90,7 +90,7 @@ class Bucket:
         by_all_reduce = ws > 1 and comm is None and reduces_by_all_reduce(group)
         in_place = len(self.entries) == 1 and not by_all_reduce and comm is None and first.can_reduce_in_place(self.entries[0].has_grad)
 
-        alloc = first.rs_allocator(group)  # torch.empty's (size, *, dtype, device)
+        alloc = first.allocator(comm, group)  # torch.empty's (size, *, dtype, device)
 
         def new_out() -> torch.Tensor:  # the unit's fresh gradient buffer, or a plain one
             return first.reduce_in_place_target() if in_place else alloc((total,), dtype=dtype, device=device)

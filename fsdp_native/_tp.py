@@ -155,11 +155,14 @@ def placements(spec: DTensorSpec, info, dim: int, spmd: Spmd | None = None) -> t
         split_factor = math.prod(
             spmd.mesh.size(j) for j in range(spmd.shard + 1, spmd.mesh.ndim) if isinstance(pls[j], Shard) and pls[j].dim == dim
         )
-        pls[spmd.shard] = _StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
+        pls[spmd.shard] = _fsdp_placement(dim, split_factor)
         return tuple(pls)
-    split_factor = spec.num_shards_map[dim]
-    fsdp = _StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
-    return (*info.placements[:-1], fsdp, *spec.placements)
+    return (*info.placements[:-1], _fsdp_placement(dim, spec.num_shards_map[dim]), *spec.placements)
+
+
+def _fsdp_placement(dim: int, split_factor: int):
+    """FSDP's placement of a dim that `split_factor` shards of other mesh dims already split."""
+    return _StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
 
 
 def unsharded(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:

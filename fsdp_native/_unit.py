@@ -583,19 +583,15 @@ class Unit:
         self.pending_ag = PendingAllGather(work, out)
 
     def _ag_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The all-gather output: from the custom all-gather's ``allocate`` when one is set, or
-        from the process group's allocator (``pg_alloc``)."""
-        if self.ag_comm is not None:
-            return self.ag_comm.allocate((numel,), dtype=dtype, device=self.device)
-        if self.pg_alloc:
-            return _comm.group_allocate(self.info.shard_group, (numel,), dtype=dtype, device=self.device)
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        """The all-gather output, from :meth:`allocator`."""
+        return self.allocator(self.ag_comm, self.info.shard_group)((numel,), dtype=dtype, device=self.device)
 
-    def rs_allocator(self, group):
-        """What allocates the reduce-scatter's buffers, with ``torch.empty``'s (size, *, dtype,
-        device): the custom reduce-scatter's ``allocate``, the process group's, or torch's."""
-        if self.rs_comm is not None:
-            return self.rs_comm.allocate
+    def allocator(self, comm, group):
+        """What allocates a collective's buffers, with ``torch.empty``'s (size, *, dtype,
+        device): the custom comm's ``allocate`` (`comm`: ``ag_comm`` or ``rs_comm``), the
+        process group's (``pg_alloc``), or torch's."""
+        if comm is not None:
+            return comm.allocate
         if self.pg_alloc:
             return functools.partial(_comm.group_allocate, group)
         return torch.empty
