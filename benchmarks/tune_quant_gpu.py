@@ -55,11 +55,13 @@ def groups(smoke: bool) -> dict[str, tuple[list[str], list[dict]]]:
             if 4 <= s["BLOCK"] // (32 * s["FP8_WARPS"]) <= 64
         ]),
         "amax": (["quantize_amax", "quantize fp8_tensorwise"], _settings(AMAX_TILES=[1, 2, 4, 8], AMAX_WARPS=[2, 4, 8, 16])),
-        "fp8_rowwise rows": (["quantize fp8_rowwise"], _settings(ROW_ELEMS=[4096, 8192], ROW_WARP_ELEMS=[256, 512])),
+        "fp8_rowwise rows": (["quantize fp8_rowwise"], [
+            dict(ROW_WARP_ELEMS=1024), dict(ROW_ELEMS=8192, ROW_WARP_ELEMS=1024), dict(ROW_WARP_ELEMS=2048),
+        ]),
         # NF4's alone (since each element gathers its block's value, its best shape may differ).
         "nf4 dequantize": (["dequantize nf4"], [
             {"DEQ_SHAPES": {"nf4": (b, w)}}  # merged into the defaults (below)
-            for b in (1024, 2048, 4096, 8192, 16384) for w in (1, 2, 4, 8, 16) if 8 <= b // (32 * w) <= 128 and (b, w) != (4096, 4)
+            for b in (1024, 2048, 4096, 8192, 16384) for w in (1, 2, 4, 8, 16) if 8 <= b // (32 * w) <= 128 and (b, w) != (1024, 1)
         ]),
         # Rows longer than ROW_FUSE_MAX take the amax pass and then the codes (two launches).
         "fp8_rowwise two launches": (["quantize fp8_rowwise"], [

@@ -8,7 +8,10 @@ one-rank NCCL process group. Skipped without a GPU.
 * bf16 mixed precision (bf16 parameters, fp32 reduction) within bf16 rounding, trained with
   SGD (an update linear in the gradient: AdamW's first steps are about lr * sign(gradient),
   which turns a rounding difference in a gradient near zero into a difference of 2 * lr);
-* with CPUOffloadPolicy() (pinned shards, checked) in both, at the same tolerances.
+* with CPUOffloadPolicy() (pinned shards, checked) in both, at the same tolerances;
+* with ``set_allocate_memory_from_process_group_for_comm(True)`` on every unit of both, the
+  same numbers; NCCL's allocator itself through ``_comm.group_allocate`` (at one rank
+  fsdp_native makes no collective buffers: it gathers and reduces in place).
 Attention runs on the math SDPA backend and deterministic algorithms are on, so both
 implementations run the same kernels in the same order; TF32 is off.
 
@@ -109,7 +112,8 @@ def _impls():
     return {"torch": torch_fsdp, "fsdp_native": fsdp_native}
 
 
-def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = False, hook: bool = False) -> dict:
+def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = False, hook: bool = False,
+           pg_alloc: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -138,6 +142,21 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = Fals
 
         for m in [*model.layers, model]:
             m.set_all_reduce_hook(halve, stream=side)
+    allocs = []
+    if pg_alloc:  # the collective buffers from NCCL's own allocator, in both implementations
+        for m in [*model.layers, model]:
+            m.set_allocate_memory_from_process_group_for_comm(True)
+        if impl is fsdp_native:
+            from fsdp_native import _comm
+
+            orig = _comm.group_allocate
+
+            def recording(group, size, *, dtype, device):
+                t = orig(group, size, dtype=dtype, device=device)
+                allocs.append((group._get_backend(device).supports_tensor_alloc(device), t.device.type, t.numel()))
+                return t
+
+            _comm.group_allocate = recording
     where = "cpu" if offload else "cuda"
     if meta:  # offloaded shards are materialized on the CPU, as torch FSDP2 asks
         model.to_empty(device=where)
@@ -155,14 +174,23 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = Fals
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     losses = []
-    with sdpa_kernel(SDPBackend.MATH):
-        for x, y in make_batches(args, STEPS, 4):
-            loss = lm_loss(model(x.cuda()), y.cuda())
-            loss.backward()
-            assert all(p.grad is not None for p in model.parameters()), "a parameter got no gradient"
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach().float().cpu())
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            for x, y in make_batches(args, STEPS, 4):
+                loss = lm_loss(model(x.cuda()), y.cuda())
+                loss.backward()
+                assert all(p.grad is not None for p in model.parameters()), "a parameter got no gradient"
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach().float().cpu())
+    finally:
+        if pg_alloc and impl is fsdp_native:
+            _comm.group_allocate = orig
+    if pg_alloc and impl is fsdp_native:
+        # One rank: fsdp_native gathers and reduces in place, so no unit makes a collective
+        # buffer (torch FSDP2 makes them, from NCCL's allocator here); the setting changes
+        # nothing else. _pg_alloc_grid checks the allocator itself.
+        assert allocs == [], allocs[:4]
     # One rank: the local shard is the whole parameter (an offloaded one is on the CPU, which
     # NCCL cannot gather).
     params = {n: p.to_local().detach().cpu() for n, p in model.named_parameters()}
@@ -171,13 +199,14 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = Fals
     return {"losses": torch.stack(losses), "params": params}
 
 
-def _compare(model: str, mp: bool, reshard: bool, meta: bool, offload: bool = False, hook: bool = False) -> None:
+def _compare(model: str, mp: bool, reshard: bool, meta: bool, offload: bool = False, hook: bool = False,
+             pg_alloc: bool = False) -> None:
     from models import EVEN, ODD
 
     args = EVEN if model == "even" else ODD
     impls = _impls()
-    ref = _train(impls["torch"], args, mp, reshard, meta, offload, hook)
-    got = _train(impls["fsdp_native"], args, mp, reshard, meta, offload, hook)
+    ref = _train(impls["torch"], args, mp, reshard, meta, offload, hook, pg_alloc)
+    got = _train(impls["fsdp_native"], args, mp, reshard, meta, offload, hook, pg_alloc)
     assert got["params"].keys() == ref["params"].keys()
     if mp:  # bf16 compute: rounding differences (another kernel for another alignment) stay small
         tol = dict(rtol=2e-2, atol=1e-3)
@@ -213,6 +242,39 @@ def _parity_grid() -> list[str]:
 @cuda
 def test_parity_with_torch_fsdp2_nccl_world_size_1():
     assert_no_failures(run_on_gpu(_parity_grid))
+
+
+def _pg_alloc_grid() -> list[str]:
+    """set_allocate_memory_from_process_group_for_comm on NCCL: ``_comm.group_allocate``'s
+    buffer (NCCL's allocator where its backend has one) works as a collective's output;
+    training with the setting on matches torch FSDP2's with it on."""
+    import torch.distributed as dist
+
+    from fsdp_native import _comm
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    dev = torch.device("cuda", 0)
+
+    def allocator():
+        group = dist.group.WORLD
+        # (torch 2.11's NCCL backend on an H100 reports none for a one-rank group: then the
+        # fallback, torch.empty, as torch FSDP2's allocator does)
+        out = _comm.group_allocate(group, (3000,), dtype=torch.bfloat16, device=dev)  # 1-D, as the units ask
+        assert out.device == dev and out.dtype == torch.bfloat16 and out.numel() == 3000, (out.device, out.dtype, out.shape)
+        src = torch.arange(3000, device=dev).to(torch.bfloat16)
+        dist.all_gather_into_tensor(out, src)
+        assert torch.equal(out.cpu(), src.cpu())
+
+    return grid_failures([{}], allocator) + grid_failures([
+        dict(model="even", mp=False, reshard=True, meta=False, pg_alloc=True),
+        dict(model="even", mp=True, reshard=False, meta=True, pg_alloc=True),
+    ], _compare)
+
+
+@cuda
+def test_allocate_from_process_group_on_nccl():
+    assert_no_failures(run_on_gpu(_pg_alloc_grid))
 
 
 # ------------------------------------------------------------------------------------------
