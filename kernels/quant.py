@@ -176,19 +176,22 @@ def _out_ptrs(addr, j, OUT: tl.constexpr, HINT: tl.constexpr = False, V: tl.cons
 @triton.jit
 def _find_param(starts, n_params, pid, LOG2: tl.constexpr):
     """The last parameter p with starts[p] <= pid (parameters without tasks are skipped), and
-    pid's task within it, pid - starts[p], from the search's own loads (starts[0] is 0): one
-    dependent load fewer before the program's first data."""
+    pid's task within it, pid - starts[p] (int64), from the search's own loads (starts[0] is
+    0): one dependent load fewer before the program's first data. In 32 bits (the grid's task
+    indices fit them; ``starts`` is int32): half the instructions of a 64-bit search, which
+    every thread of the program runs."""
+    pid = pid.to(tl.int32)
     lo = pid * 0
     hi = lo + n_params - 1
     first = lo
     for _ in tl.static_range(LOG2):
         mid = (lo + hi + 1) // 2
         s = tl.load(starts + mid)
-        go = (s <= pid).to(tl.int64)  # arithmetic, not tl.where: scalars
+        go = (s <= pid).to(tl.int32)  # arithmetic, not tl.where: scalars
         lo = lo + go * (mid - lo)
         hi = mid - 1 + go * (hi - mid + 1)
         first = first + go * (s - first)
-    return lo, pid - first
+    return lo, (pid - first).to(tl.int64)
 
 
 @triton.jit
@@ -662,7 +665,7 @@ def _launch_tables(rows: list[list[int]], counts: list[int], device) -> tuple[to
     for c in counts:
         starts.append(starts[-1] + c)
     meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, _COLS).to(device)
-    hit = (meta, torch.tensor(starts, dtype=torch.int64).to(device), starts[-1])
+    hit = (meta, torch.tensor(starts, dtype=torch.int32).to(device), starts[-1])
     if len(_TABLES) >= _TABLES_MAX:  # the oldest first
         del _TABLES[next(iter(_TABLES))]
     _TABLES[key] = hit
