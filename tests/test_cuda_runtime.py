@@ -143,7 +143,7 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = Fals
         for m in [*model.layers, model]:
             m.set_all_reduce_hook(halve, stream=side)
     allocs = []
-    if pg_alloc:  # the collective buffers from NCCL's own allocator, in both implementations
+    if pg_alloc:  # collective buffers from the process group's allocator, in both implementations
         for m in [*model.layers, model]:
             m.set_allocate_memory_from_process_group_for_comm(True)
         if impl is fsdp_native:
@@ -152,9 +152,8 @@ def _train(impl, args, mp: bool, reshard: bool, meta: bool, offload: bool = Fals
             orig = _comm.group_allocate
 
             def recording(group, size, *, dtype, device):
-                t = orig(group, size, dtype=dtype, device=device)
-                allocs.append((group._get_backend(device).supports_tensor_alloc(device), t.device.type, t.numel()))
-                return t
+                allocs.append((tuple(size), dtype))
+                return orig(group, size, dtype=dtype, device=device)
 
             _comm.group_allocate = recording
     where = "cpu" if offload else "cuda"
