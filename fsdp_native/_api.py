@@ -72,11 +72,15 @@ class _DataParallelMeshDims:
 
     @property
     def shard_names(self) -> tuple:
-        return () if self.shard is None else (self.shard,) if isinstance(self.shard, str) else tuple(self.shard)
+        return _dim_names(self.shard)
 
     @property
     def replicate_names(self) -> tuple:
-        return () if self.replicate is None else (self.replicate,) if isinstance(self.replicate, str) else tuple(self.replicate)
+        return _dim_names(self.replicate)
+
+
+def _dim_names(dims: "str | tuple[str, ...] | None") -> tuple:
+    return () if dims is None else (dims,) if isinstance(dims, str) else tuple(dims)
 
 
 try:  # torch 2.13+: torch's own, so that either import works with either library
