@@ -28,7 +28,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks import harness as H  # noqa: E402
-from benchmarks.bench_gpu import LLAMA, LLAMA_SMOKE, RANK, WORLD_SIZE, _numel, _rows, ops_padded  # noqa: E402
+from benchmarks.bench_gpu import LLAMA, LLAMA_SMOKE, RANK, WORLD_SIZE, _numel, _rows  # noqa: E402
+from fsdp_native import ops  # noqa: E402
 
 
 def _settings(**axes) -> list[dict]:
@@ -74,16 +75,18 @@ def groups(smoke: bool) -> dict[str, tuple[list[str], list[dict]]]:
 
 
 class Work:
-    """The layer's shards, their quantized chunk and gathered chunks, and the ops on them."""
+    """The layer's shards of `rank` over `world_size` ranks, their quantized chunk and gathered
+    chunks, and the ops on them."""
 
-    def __init__(self, shapes, device, K):
+    def __init__(self, shapes, device, K, world_size: int = WORLD_SIZE, rank: int = RANK):
         self.K = K
         self.shapes = shapes
-        self.padded = [ops_padded(s) for s in shapes]
+        self.ws = world_size
+        self.padded = [ops.padded_shard_numel(s, world_size) for s in shapes]
         self.rows = [_numel(s[1:]) for s in shapes]
         g = torch.Generator().manual_seed(0)
         self.shards = [
-            (torch.randn(_numel(_rows(s, RANK, WORLD_SIZE)), generator=g) * 0.02).to(torch.bfloat16).to(device) for s in shapes
+            (torch.randn(_numel(_rows(s, rank, world_size)), generator=g) * 0.02).to(torch.bfloat16).to(device) for s in shapes
         ]
         if self.shards[0].numel() > 5:  # special values where the checks see them
             self.shards[0][:3] = torch.tensor([float("nan"), float("inf"), 0.0], dtype=torch.bfloat16)
@@ -98,13 +101,13 @@ class Work:
         self.outs = [torch.empty(_numel(s), dtype=torch.bfloat16, device=device) for s in shapes]
         for f in Q.FORMATS:
             self.quantize(f)
-        self.gathered = {f: self.chunk[f].repeat(WORLD_SIZE) for f in Q.FORMATS}
+        self.gathered = {f: self.chunk[f].repeat(world_size) for f in Q.FORMATS}
 
     def quantize(self, fmt, amax=None):
         self.K.quantize_copy_in_eager(self.shards, self.padded, self.rows, fmt, self.Q.DEFAULT_BLOCK_SIZE, amax, self.chunk[fmt])
 
     def dequantize(self, fmt):
-        self.K.dequantize_copy_out_eager(self.gathered[fmt], self.padded, self.rows, WORLD_SIZE, fmt, self.Q.DEFAULT_BLOCK_SIZE, self.outs)
+        self.K.dequantize_copy_out_eager(self.gathered[fmt], self.padded, self.rows, self.ws, fmt, self.Q.DEFAULT_BLOCK_SIZE, self.outs)
 
     def op(self, name):
         """(the call, the bytes it reads plus writes)."""
@@ -125,7 +128,7 @@ class Work:
         for f in self.Q.FORMATS:
             self.quantize(f)
             out.append(self.chunk[f].clone())
-            self.gathered[f].copy_(self.chunk[f].repeat(WORLD_SIZE))
+            self.gathered[f].copy_(self.chunk[f].repeat(self.ws))
             self.dequantize(f)
             out += [o.clone() for o in self.outs]
         self.K.quantize_amax_eager(self.shards, self.amax)
@@ -160,7 +163,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     shapes = (LLAMA_SMOKE if args.smoke else LLAMA).layer_shapes()
     iters, reps = (1, 1) if args.smoke else (args.iters, args.reps)
-    w = Work(shapes, device, K)
+    # --smoke: 2 ranks, not 8 (the interpreter's time goes by programs, the dequantizes' by ranks)
+    w = Work(shapes, device, K, *((2, 1) if args.smoke else (WORLD_SIZE, RANK)))
     todo = groups(args.smoke)
     default = {n: getattr(K, n) for n in sorted({n for _, sets in groups(False).values() for st in sets for n in st})}
     reference = w.results()
