@@ -2,11 +2,13 @@
 
 Design
 ------
-* ``run_distributed(fn, world_size, ...)`` spawns ``world_size`` worker processes
+* ``run_distributed(fn, world_size, ...)`` starts ``world_size`` worker processes
   once (per test function), initialises a gloo process group on a ``FileStore``
   in a fresh temporary directory and calls ``fn(*args)`` in every worker.
-  Process start-up and ``import torch`` dominate the cost, so a test function
-  should run a whole grid of configurations inside one spawn via ``run_grid``.
+  The workers fork from a fork server that has imported torch (``_mp_context``),
+  so a start costs little, but each still imports the test's module and builds
+  its process group: a test function should run a whole grid of configurations
+  inside one spawn via ``run_grid``.
 * ``run_grid(configs, body)`` (called inside the workers) runs ``body(**cfg)``
   for every configuration.  A failing configuration does not stop the grid:
   each failure is sent to the parent with its traceback, all ranks agree on the

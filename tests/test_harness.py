@@ -11,10 +11,14 @@ after a re-init was suspected; the cause found later is gloo's (scripts/gloo_rac
 
 Also: dist_utils.full, which gathers DTensors for the comparisons without DTensor's functional
 all-gather (gloo's allgather_coalesced, the one that corrupts the heap), gives full_tensor()'s
-bits.
+bits. And the ranks, forked from a fork server that imported torch before the test ran, get the
+test's environment, and their stdout and stderr reach the test's captured streams.
 """
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -107,3 +111,43 @@ def test_full_matches_full_tensor_ws2():
 
 def test_full_matches_full_tensor_hsdp():
     run_distributed(_full_matches_full_tensor, 4)
+
+
+
+@pytest.fixture(scope="module")
+def fork_server_started():
+    """Starts the fork server (where no earlier test did) outside the test's own capture, and
+    with a variable set that the test no longer has."""
+    os.environ["FSDP_TEST_REMOVED_BY_THE_TEST"] = "1"
+    try:
+        run_distributed(dist.barrier, 1)
+    finally:
+        del os.environ["FSDP_TEST_REMOVED_BY_THE_TEST"]
+
+
+def _report_environment_and_print(name: str) -> None:
+    """Each rank checks the environment it got and writes a line to stdout and to stderr."""
+    import sys
+
+    rank = dist.get_rank()
+    assert os.environ.get(name) == "set-by-the-test", f"rank {rank}: {name}={os.environ.get(name)!r}"
+    assert os.environ.get("FSDP_TEST_REMOVED_BY_THE_TEST") is None, f"rank {rank} has a variable the test removed"
+    print(f"rank {rank} stdout line")
+    sys.stderr.write(f"rank {rank} stderr line\n")
+
+
+def test_ranks_get_the_tests_environment_and_their_output_is_relayed(fork_server_started, monkeypatch, capfd):
+    """Ranks fork from a fork server started before this test: they must still see the
+    environment as the test left it, and what they print must reach the test's streams."""
+    monkeypatch.setenv("FSDP_TEST_SET_BY_THE_TEST", "set-by-the-test")
+    run_distributed(_report_environment_and_print, 2, "FSDP_TEST_SET_BY_THE_TEST")
+    out, err = capfd.readouterr()
+    assert out.splitlines() == ["rank 0 stdout line", "rank 1 stdout line"], out
+    assert "rank 0 stderr line\n" in err and "rank 1 stderr line\n" in err, err
+
+
+def test_start_method_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("FSDP_TEST_START", "fork")
+    with pytest.raises(ValueError) as e:
+        run_distributed(dist.barrier, 1)
+    assert str(e.value) == "FSDP_TEST_START must be 'forkserver' or 'spawn', got 'fork'"
