@@ -24,7 +24,13 @@ for ((i = 1; i <= RUNS; i++)); do
   fi
   mapfile -t order < <(printf '%s\n' "${FILES[@]}" | shuf)
   log="$OUT/run$i.log"
-  env "${env[@]}" .venv/bin/python -m pytest -q "${order[@]}" >"$log" 2>&1
+  # Under glibc's malloc debug library, mallinfo2 reports 0 bytes in use, so the to_empty
+  # peak test (which measures with it) rightly fails on a measure that sees nothing: left out.
+  deselect=()
+  if [[ -n "${MALLOC_DEBUG:-}" ]]; then
+    deselect=(--deselect tests/test_memory.py::test_to_empty_allocates_each_shard_once)
+  fi
+  env "${env[@]}" .venv/bin/python -m pytest -q "${order[@]}" "${deselect[@]}" >"$log" 2>&1
   rc=$?
   echo "run $i $(date +%T) ${env[*]:-} rc=$rc $(tail -1 "$log")" | tee -a "$OUT/summary.txt"
   if [[ $rc -eq 0 ]]; then rm -f "$log"; else failed=$((failed + 1)); fi
