@@ -486,14 +486,14 @@ def run_distributed(
     tmpdir = tmp.name
     wall_deadline = time.time() + timeout
     payload = pickle.dumps((fn, args, kwargs))
+    environ = dict(os.environ)  # with OMP_NUM_THREADS=1
     q = mp.Queue()
     procs = []
     try:
         for rank in range(world_size):
             p = mp.Process(
                 target=_worker_main,
-                args=(rank, world_size, tmpdir, wall_deadline, pg_timeout or PG_TIMEOUT, payload, q,
-                      dict(os.environ)),
+                args=(rank, world_size, tmpdir, wall_deadline, pg_timeout or PG_TIMEOUT, payload, q, environ),
                 name=f"{fn.__name__}-rank{rank}",
                 daemon=True,
             )

@@ -113,7 +113,6 @@ def test_full_matches_full_tensor_hsdp():
     run_distributed(_full_matches_full_tensor, 4)
 
 
-
 @pytest.fixture(scope="module")
 def fork_server_started():
     """Starts the fork server (where no earlier test did) outside the test's own capture, and
