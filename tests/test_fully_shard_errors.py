@@ -39,12 +39,15 @@ ValueError = bad value, TypeError = wrong type, NotImplementedError = valid but 
   shard_placement_fn: Shard(2)   ValueError   (exact messages in case() below; torch raises AssertionError)
   of a matrix, Replicate(),      ValueError
   Shard(1) of a dim of 9 ranks   NotImplementedError (as torch: a dim other than 0 is sharded evenly only)
+  copy.deepcopy of a sharded     AssertionError (as torch; what swa_utils.AveragedModel, an EMA copy, does)
+  module                                      "fsdp_native: FSDP modules do not support deepcopy; use the state dict"
 
 After each case every rank runs a collective that checks the process group is
 still usable and in step (a rank that hung or issued an extra collective fails it).
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -187,6 +190,16 @@ def case(name):
         fs(m, mesh=mesh)
         # never materialised: forward must raise on every rank instead of all-gathering
         _expect(RuntimeError, r"meta", lambda: m(torch.randn(2, 8)))
+    elif name == "deepcopy":
+        m = MLPStack()
+        fs(m.layers[0], mesh=mesh)
+        fs(m, mesh=mesh)
+        for what in (m, m.layers[0]):
+            _expect(AssertionError, r"deepcopy", lambda: copy.deepcopy(what), "state dict")
+        e = _expect(AssertionError, r"deepcopy",
+                    lambda: torch.optim.swa_utils.AveragedModel(m, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)))
+        if impl.name == "fsdp_native":
+            assert str(e) == "fsdp_native: FSDP modules do not support deepcopy; use the state dict", str(e)
     else:
         raise AssertionError(f"unknown case {name}")
     _check_group_in_step()
@@ -213,6 +226,7 @@ CASES = [
     "shard_placement_bad_dim",
     "shard_placement_not_shard",
     "shard_placement_uneven_dim",
+    "deepcopy",
 ]
 
 

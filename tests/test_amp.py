@@ -1,11 +1,14 @@
-"""fp16 training with a gradient scaler, as FSDP2 users on GPUs without bf16 run it:
-``MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)`` with torch's
-``ShardedGradScaler`` or ``torch.amp.GradScaler``, unchanged.
+"""torch.amp with fully_shard, as FSDP2 users run it.
 
-One rank's batch on step 2 overflows fp16 in the backward. The scaler must skip that step on
-every rank, though only the rank owning the gradient shard that holds the inf sees it, and
-halve its scale. Checked against torch FSDP2, bit for bit: losses, scales, which steps ran, and
-the parameters. With gradient accumulation too."""
+* fp16 training with a gradient scaler (GPUs without bf16):
+  ``MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)`` with torch's
+  ``ShardedGradScaler`` or ``torch.amp.GradScaler``, unchanged. One rank's batch on step 2
+  overflows fp16 in the backward. The scaler must skip that step on every rank, though only
+  the rank owning the gradient shard that holds the inf sees it, and halve its scale. Checked
+  against torch FSDP2, bit for bit: losses, scales, which steps ran, and the parameters. With
+  gradient accumulation too.
+* ``torch.autocast`` instead of (or on top of) a mixed precision policy: fp32 parameters,
+  bf16 matmuls. Bit for bit torch FSDP2's."""
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -63,3 +66,35 @@ def _check() -> None:
 
 def test_fp16_grad_scalers_as_torch():
     run_distributed(_check, 2)
+
+
+def _autocast_run(impl, policy: bool) -> dict:
+    torch.manual_seed(0)
+    kw = dict(mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if policy else {}
+    model = shard_stack(impl, BlockStack(lambda: ResidualMLP(6, 10), dim=6, n=2), **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    losses = []
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(4, 4, generator=gen))
+        assert out.dtype == torch.bfloat16, out.dtype
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, params=full_params(model))
+
+
+def _autocast_body(policy: bool) -> None:
+    assert_same_run(f"[autocast, policy {policy}]", _autocast_run(load_impl(), policy), _autocast_run(ref_impl(), policy))
+
+
+def _autocast_check() -> None:
+    run_grid(grid(policy=[False, True]), _autocast_body)
+
+
+def test_autocast_as_torch():
+    run_distributed(_autocast_check, 2)
