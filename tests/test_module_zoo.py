@@ -1,0 +1,127 @@
+"""torch.nn modules beyond Linear, as vision, audio and sequence models use them, each in units
+of their own: 4-D convolution weights (dims 0 of 3 and 5 channels, padded over 2 ranks),
+BatchNorm, whose running statistics are buffers updated in the forward and not sharded, a
+``weight_norm`` parametrization (the parameters ``original0`` / ``original1`` are what FSDP
+shards; the weight is computed from the gathered ones), ``nn.MultiheadAttention`` (its parent
+module reads ``in_proj_weight`` and its child ``out_proj``'s parameters directly), and torch's
+own ``nn.TransformerEncoderLayer``. Training steps, then an ``eval()`` forward under
+``no_grad`` (where the encoder layer may take its fused path). Bit for bit torch FSDP2's:
+losses, evaluation output, parameters and buffers, in fp32 and with a bf16 policy (there each
+BatchNorm is an fp32 unit of its own, nested in its block's unit, as with torch FSDP2: a bf16
+BatchNorm would meet its fp32 running statistics, which FSDP does not cast)."""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dist_utils import assert_close, assert_same_run, full_params, grid, load_impl, ref_impl, run_distributed, run_grid
+
+EXACT = dict(rtol=0, atol=0)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(3, 5, 3, stride=2), nn.BatchNorm2d(5), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+        self.head = nn.Linear(5, 1)
+
+    def units(self):
+        return [self.stem, self.body]
+
+    def forward(self, x):  # x: (batch, 4) -> a 1-channel 4x4 image
+        return self.head(self.body(self.stem(x.view(-1, 1, 2, 2).repeat(1, 1, 2, 2))).flatten(1))
+
+
+class NormedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.utils.parametrizations.weight_norm(nn.Linear(6, 10))
+        self.bn = nn.BatchNorm1d(10)
+        self.b = nn.Linear(10, 6)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.bn(self.a(x))))
+
+
+class WeightNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.blocks = nn.ModuleList([NormedBlock(), NormedBlock()])
+        self.out = nn.Linear(6, 1)
+
+    def units(self):
+        return list(self.blocks)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+class AttentionNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.enc = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(8, 1)
+
+    def units(self):
+        return [self.mha, self.enc]
+
+    def forward(self, x):  # x: (batch, 4): a sequence of 3 tokens per sample
+        h = self.inp(x).unsqueeze(1).expand(-1, 3, -1) * torch.arange(1, 4).view(1, 3, 1)
+        h = h + self.mha(h, h, h, need_weights=False)[0]
+        return self.out(self.enc(h)).mean(1)
+
+
+MODELS = {"conv": ConvNet, "weight_norm": WeightNormNet, "attention": AttentionNet}
+
+
+def _run(impl, model: str, mp: bool) -> dict:
+    torch.manual_seed(0)
+    m = MODELS[model]()
+    kw = dict(mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if mp else {}
+    if mp:  # BatchNorm in fp32 units of its own, as FSDP2 users do: its running stats stay fp32
+        for bn in [x for x in m.modules() if isinstance(x, nn.modules.batchnorm._BatchNorm)]:
+            impl.fully_shard(bn)
+    for u in m.units():
+        impl.fully_shard(u, **kw)
+    impl.fully_shard(m, **kw)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    losses = []
+    for _ in range(3):
+        loss = m(torch.randn(6, 4, generator=gen)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    m.eval()
+    with torch.no_grad():
+        evaluation = m(torch.randn(6, 4, generator=gen)).float()
+    m.train()
+    return dict(losses=losses, params=full_params(m), evaluation=evaluation,
+                buffers={n: b.clone() for n, b in m.named_buffers()})
+
+
+def _body(model: str, mp: bool) -> None:
+    ours, theirs = _run(load_impl(), model, mp), _run(ref_impl(), model, mp)
+    what = f"[{model}, mp {mp}]"
+    assert_same_run(what, ours, theirs)
+    assert_close(f"{what} eval() forward", ours["evaluation"], theirs["evaluation"], EXACT)
+    assert ours["buffers"].keys() == theirs["buffers"].keys(), f"{what} buffers {sorted(ours['buffers'])} vs {sorted(theirs['buffers'])}"
+    for n, b in theirs["buffers"].items():
+        assert_close(f"{what} buffer {n}", ours["buffers"][n], b, EXACT)
+    if model != "attention":  # the running statistics moved away from their initial values
+        assert any(n.endswith("running_mean") and b.abs().sum() > 0 for n, b in ours["buffers"].items()), what
+
+
+def _check() -> None:
+    run_grid(grid(model=list(MODELS), mp=[False, True]), _body)
+
+
+def test_module_zoo_matches_torch():
+    run_distributed(_check, 2)
