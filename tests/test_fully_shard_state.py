@@ -10,6 +10,8 @@
 * ``dcp.save`` / ``dcp.load`` to a temporary directory, then resume: the losses
   after resuming equal those of an uninterrupted run; checkpoints are
   interchangeable with torch FSDP2 in both directions; ``dcp.async_save`` too.
+* A checkpoint saved at world size 2 resumed at 1, 3 and 4 (HSDP 2x2): the states loaded
+  exactly, then training on bit for bit as torch FSDP2 resumed from the same checkpoint.
 
 The implementation under test is ``dist_utils.load_impl()`` (``fsdp_native``;
 ``FSDP_TEST_IMPL=torch`` validates the tests against torch FSDP2 itself).
@@ -335,3 +337,67 @@ def test_state_dict_and_checkpoint_world_size_2():
 
 def test_state_dict_and_checkpoint_world_size_4_hsdp():
     run_distributed(_ws4_grid, 4, timeout=300)
+
+
+# ---------------------------------------------------------------------------
+# A checkpoint resumed at another world size (DCP reshards it)
+# ---------------------------------------------------------------------------
+RESHARD_CFG = dict(model="odd", steps=3)  # dims 0 that no world size below divides evenly
+
+
+def _save_at_ws2(path: str) -> None:
+    impl = load_impl()
+    cfg = _cfg_for_reshard("1d")
+    model = build_fsdp(impl, cfg, make_mesh(cfg))
+    out = train_fsdp(impl, model, cfg, stop=2)
+    msd, osd = get_state_dict(model, out["opt"])
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    full_states = (get_model_state_dict(model, options=FULL), get_optimizer_state_dict(model, out["opt"], options=FULL))
+    if dist.get_rank() == 0:
+        torch.save(full_states, os.path.join(path, "full_states.pt"))
+    dist.barrier()
+
+
+def _cfg_for_reshard(mesh: str) -> Cfg:
+    return Cfg(mesh=mesh, **RESHARD_CFG)
+
+
+def _load_and_continue(path: str, mesh: str) -> None:
+    """Loads the world-size-2 checkpoint at this world size into fsdp_native and into torch
+    FSDP2: the model and optimizer states are the saved ones, exactly; then one more step in
+    each gives the same losses and parameters, bit for bit."""
+    saved_model, saved_optim = torch.load(os.path.join(path, "full_states.pt"), weights_only=False)
+    ws = dist.get_world_size()
+    runs = {}
+    for impl in (load_impl(), ref_impl()):
+        cfg = _cfg_for_reshard(mesh)
+        model = build_fsdp(impl, cfg, make_mesh(cfg), seed=5)  # other weights than the saved ones
+        opt = make_optim(cfg, model.parameters())
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        got_model = get_model_state_dict(model, options=FULL)
+        got_optim = get_optimizer_state_dict(model, opt, options=FULL)
+        what = f"[{impl.name}, world size {ws}, {mesh}]"
+        if dist.get_rank() == 0:  # a full state dict with cpu_offload is rank 0's only
+            assert got_model.keys() == saved_model.keys(), what
+            for k, v in saved_model.items():
+                assert_close(f"{what} loaded {k}", got_model[k], v, EXACT)
+            assert got_optim["state"].keys() == saved_optim["state"].keys(), what
+            for k, states in saved_optim["state"].items():
+                for s, v in states.items():
+                    assert_close(f"{what} loaded optimizer state {k}.{s}", got_optim["state"][k][s], v, EXACT)
+        runs[impl.name] = train_fsdp(impl, model, cfg, opt=opt, start=2)
+    ours, theirs = runs[load_impl().name], runs["torch"]
+    assert_close(f"[world size {ws}, {mesh}] losses after resuming", ours["losses"], theirs["losses"], EXACT)
+    for n, v in theirs["params"].items():
+        assert_close(f"[world size {ws}, {mesh}] {n} after resuming", ours["params"][n], v, EXACT)
+
+
+def test_checkpoint_resumed_at_other_world_sizes(tmp_path):
+    """Saved at world size 2 (uneven shards, AdamW states), resumed at 1, 3 and 4 (HSDP 2x2)."""
+    path = str(tmp_path)
+    run_distributed(_save_at_ws2, 2, path)
+    for ws, mesh in ((1, "1d"), (3, "1d"), (4, "hsdp")):
+        run_distributed(_load_and_continue, ws, path, mesh)
