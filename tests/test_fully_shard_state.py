@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dist_utils import assert_close, ctx, full, load_impl, ref_impl, run_distributed, run_grid
-from models import Cfg, Transformer, build_fsdp, lm_loss, make_batches, make_mesh, make_optim, train_fsdp
+from models import Cfg, Transformer, build_fsdp, make_batches, make_mesh, make_optim, train_fsdp
 
 EXACT = dict(rtol=0, atol=0)
 FP32_TOL = dict(rtol=1e-6, atol=1e-6)
