@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 import torch
 
 from test_cuda_runtime import assert_no_failures, cuda, grid_failures, run_on_gpu

@@ -18,7 +18,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.tensor import DTensor, Shard
 

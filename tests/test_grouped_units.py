@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from dist_utils import assert_close, full, full_params, load_impl, ref_impl, run_distributed, run_grid
 from models import Cfg, Transformer, build_fsdp, make_mesh, make_optim, train_fsdp

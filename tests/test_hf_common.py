@@ -4,8 +4,6 @@ its error text, restore()."""
 from __future__ import annotations
 
 import os
-import sys
-import types
 
 import pytest
 

@@ -24,7 +24,6 @@
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -79,7 +78,7 @@ def _build(
 def _check_values(fmt: str) -> None:
     from dist_utils import full, quantized_unsharded
 
-    ws, rank = dist.get_world_size(), dist.get_rank()
+    ws = dist.get_world_size()
     mesh = init_device_mesh("cpu", (ws,))
     model = _build(fmt, mesh, frozen_blocks=fmt == "nf4")
     block = model.layers[0]

@@ -24,7 +24,6 @@ import traceback
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import dist_utils
