@@ -1,0 +1,114 @@
+"""Training loops as users write them, beyond the plain step.
+
+* **Layer drop** (stochastic depth, or conditional computation): some blocks, each a unit of its
+  own, are skipped in some steps, the same on every rank. A skipped unit is neither gathered
+  nor reduced that step, and its parameters get no new gradient. The loop alternates
+  ``zero_grad(set_to_none=False)`` and ``zero_grad(set_to_none=True)``, so a skipped unit holds
+  zero gradients in some steps (AdamW still moves its parameters then) and None in others
+  (AdamW leaves them alone).
+* **Fused AdamW with parameter groups** (weight decay on the matrices only, as Hugging Face
+  and most training scripts set it).
+
+Bit for bit torch FSDP2's losses, gradients of the last step (None where torch has None) and
+parameters, in fp32 and with a bf16 policy; in fp32 also an unsharded model trained on the mean
+of the ranks' losses, within 1e-6."""
+import torch
+import torch.distributed as dist
+
+from dist_utils import assert_close, assert_same_run, full, full_params, grid, load_impl, ref_impl, run_distributed, run_grid
+from models import BlockStack, ResidualMLP, shard_stack
+
+STEPS = 5
+SKIPS = [(), (1,), (0, 2), (), (1,)]  # the blocks skipped in each step
+FP32_TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+class DropStack(BlockStack):
+    skip: tuple = ()
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            if i not in self.skip:
+                h = b(h)
+        return self.out(h)
+
+
+def _model() -> DropStack:
+    torch.manual_seed(0)
+    return DropStack(lambda: ResidualMLP(6, 10), dim=6, n=3)
+
+
+def _optim(flow: str, model):
+    if flow == "fused_adamw_groups":
+        named = list(model.named_parameters())
+        groups = [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+                  {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=1e-2, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _inputs(rank: int) -> list:
+    gen = torch.Generator().manual_seed(10 + rank)
+    return [torch.randn(4, 4, generator=gen) for _ in range(STEPS)]
+
+
+def _train(model, flow: str, forward_loss) -> dict:
+    opt = _optim(flow, model)
+    losses, grads = [], None
+    for step in range(STEPS):
+        if flow == "layerdrop":
+            model.skip = SKIPS[step]
+        loss = forward_loss(model, step)
+        loss.backward()
+        if step == STEPS - 1:
+            grads = {n: None if p.grad is None else full(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 1)
+        losses.append(loss.item())
+    return dict(losses=losses, params=full_params(model), grads=grads)
+
+
+def _sharded_run(impl, flow: str, mp: bool) -> dict:
+    model = shard_stack(impl, _model(), mp=mp)
+    xs = _inputs(dist.get_rank())
+    return _train(model, flow, lambda m, step: m(xs[step]).float().pow(2).mean())
+
+
+def _unsharded_run(flow: str) -> dict:
+    """The same steps on one unsharded model: the loss is the mean of every rank's loss (what
+    FSDP's averaged gradients are the gradient of); `losses` holds this rank's own."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    xs = [_inputs(r) for r in range(ws)]
+    own = []
+
+    def forward_loss(m, step):
+        per_rank = [m(xs[r][step]).pow(2).mean() for r in range(ws)]
+        own.append(per_rank[rank].item())
+        return torch.stack(per_rank).mean()
+
+    out = _train(_model(), flow, forward_loss)
+    out["losses"] = own
+    return out
+
+
+def _body(flow: str, mp: bool) -> None:
+    ours, theirs = _sharded_run(load_impl(), flow, mp), _sharded_run(ref_impl(), flow, mp)
+    what = f"[{flow}, mp {mp}]"
+    assert_same_run(what, ours, theirs)
+    assert ours["grads"].keys() == theirs["grads"].keys()
+    for n, g in theirs["grads"].items():
+        assert_close(f"{what} last step's gradient of {n}", ours["grads"][n], g, dict(rtol=0, atol=0))
+    if flow == "layerdrop":  # block 1 is skipped in the last step, after a zero_grad(set_to_none=True)
+        assert all(g is None for n, g in ours["grads"].items() if n.startswith("blocks.1.")), what
+        assert all(g is not None for n, g in ours["grads"].items() if not n.startswith("blocks.1.")), what
+    if not mp:
+        assert_same_run(f"{what} against an unsharded model", ours, _unsharded_run(flow), FP32_TOL)
+
+
+def _check() -> None:
+    run_grid(grid(flow=["layerdrop", "fused_adamw_groups"], mp=[False, True]), _body)
+
+
+def test_training_flows_match_torch_and_unsharded():
+    run_distributed(_check, 2)
