@@ -209,6 +209,22 @@ def _prefetch(explicit: list[Unit] | None, neighbour: Unit | None, backward: boo
             other.issue_all_gather()
 
 
+def _mark_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs that require grad, passed through _PostBackward: the unit's post-backward
+    runs once the backward has reached them."""
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # block(x): no pytree walk
+        flat, spec = list(args), None
+    else:
+        flat, spec = tree_flatten((args, kwargs))
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if idx:
+        outs = _PostBackward.apply(unit, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        args, kwargs = (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
+    return args, kwargs
+
+
 def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
     """Before `module`'s forward. A unit of several modules (``fully_shard([a, b])``) is one
     unit for the hooks, as in torch FSDP2: the first of its modules to run in a forward pass
@@ -219,9 +235,19 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
         ctx = lazy_init(module)
     mp = unit.mp
     cast = mp.cast_forward_inputs and mp.param_dtype is not None
-    if ctx.in_backward:  # activation-checkpoint recompute: parameters only need to be there
+    if ctx.in_backward:
+        # An activation-checkpoint recompute. Where the unit's pre-backward already ran
+        # (checkpointing by saved-tensor hooks: use_reentrant=False), the parameters only need
+        # to be there. Where it did not (use_reentrant=True: the forward ran without grad and
+        # registered no hooks; the backward runs the recompute's own backward), the recompute
+        # registers them as a forward does, or the unit's gradients would never be reduced.
         unit.unshard()
-        return _cast_floats((args, kwargs), mp.param_dtype) if cast else None
+        if cast:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        if torch.is_grad_enabled() and not unit.needs_post_backward and not unit.recompute_hooked:
+            unit.recompute_hooked = True
+            args, kwargs = _mark_inputs(unit, args, kwargs)
+        return args, kwargs
     first = not unit.in_forward
     if first:
         unit.in_forward = True
@@ -237,16 +263,7 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
     if cast:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
     if first and torch.is_grad_enabled():
-        if not kwargs and all(type(a) is torch.Tensor for a in args):  # block(x): no pytree walk
-            flat, spec = list(args), None
-        else:
-            flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if idx:
-            outs = _PostBackward.apply(unit, *[flat[i] for i in idx])
-            for i, t in zip(idx, outs):
-                flat[i] = t
-            args, kwargs = (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
+        args, kwargs = _mark_inputs(unit, args, kwargs)
     if first and _trace.active is not None:
         unit._t_compute = _trace.now_us()
     return args, kwargs
@@ -259,8 +276,12 @@ def post_forward(unit: Unit, module: nn.Module, args, output):
     (a module of it skipped) are completed by the root's post-forward."""
     ctx: RootContext = unit.ctx
     out_dtype = unit.mp.output_dtype
-    if ctx.in_backward:
-        return None if out_dtype is None else _cast_floats(output, out_dtype)
+    if ctx.in_backward:  # a recompute: no reshard; its pre-backward hooks where pre_forward registered hooks
+        if out_dtype is not None:
+            output = _cast_floats(output, out_dtype)
+        if unit.recompute_hooked and torch.is_grad_enabled():
+            _hook_outputs(unit, output)
+        return output
     if len(unit.modules) > 1 and unit.in_forward:
         unit.modules_to_run.discard(module)
         if unit.modules_to_run:
@@ -288,11 +309,16 @@ def _complete_forward(unit: Unit, output):
     if unit.mp.output_dtype is not None:
         output = _cast_floats(output, unit.mp.output_dtype)
     if torch.is_grad_enabled():
-        hook = unit.pre_backward_hook
-        for t in (output,) if type(output) is torch.Tensor else tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(hook)
+        _hook_outputs(unit, output)
     return output
+
+
+def _hook_outputs(unit: Unit, output) -> None:
+    """The unit's pre-backward hook on every output that requires grad."""
+    hook = unit.pre_backward_hook
+    for t in (output,) if type(output) is torch.Tensor else tree_flatten(output)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(hook)
 
 
 def pre_backward(unit: Unit) -> None:

@@ -163,6 +163,9 @@ class Unit:
         self.rs_max_inputs = 1  # set_reduce_scatter_max_input_buffers: reductions kept in flight
         self.pg_alloc = False  # set_allocate_memory_from_process_group_for_comm
         self.backward_reached = False  # pre-backward ran in this backward
+        # A recompute in backward (reentrant activation checkpointing) registered this unit's
+        # backward hooks, which its forward without grad did not; cleared by its post-backward.
+        self.recompute_hooked = False
         self._t_compute: float | None = None  # start of the unit's running compute (tracing)
         self._pf_shard: torch.Tensor | None = None
         self._pf_shard_in_flight: torch.Tensor | None = None  # input of an in-flight all-gather: kept alive
@@ -743,6 +746,7 @@ class Unit:
         if not (self.needs_post_backward or force):
             return
         self.needs_post_backward = False
+        self.recompute_hooked = False
         rec = _trace.active
         if rec is not None and self._t_compute is not None:
             rec.span("backward", "compute", self.fqn, self._t_compute, _trace.now_us())

@@ -76,6 +76,7 @@ def trainer_run(
     save_dir=None,
     on_trained=None,
     gradient_checkpointing=False,
+    gradient_checkpointing_kwargs=None,
     model_dtype=None,
     **cfg_overrides,
 ):
@@ -120,6 +121,7 @@ def trainer_run(
             dataloader_num_workers=0,
             seed=0,
             gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
         )
         model = lora_llama() if lora else tiny_llama(seed=rank if cpu_ram else 0)
         if model_dtype is not None:
@@ -162,6 +164,10 @@ def _trainer_grid():
     configs = [
         dict(gradient_checkpointing=True),
         dict(gradient_checkpointing=True, bf16=True, model_dtype="bfloat16"),
+        # use_reentrant=True: transformers 4.x's default, and many QLoRA recipes'. transformers 5
+        # checkpoints each decoder layer's forward, inside FSDP's hooks; 4.x checkpointed its
+        # __call__, hooks included, which tests/test_activation_checkpointing.py covers.
+        dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}),
         dict(use_cpu=False),  # fp32; CPU chosen through use_with_accelerate(cpu=True) alone
         dict(bf16=True),
         dict(bf16=True, ga=2),
