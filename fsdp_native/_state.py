@@ -125,6 +125,7 @@ class RootContext:
         self.reducer.finish_all()
         for u in self.units:
             u.backward_reached = False
+            u.recompute_hooked = False
             u.release_pending()
             if u.reshard_after_backward:
                 u.reshard()
@@ -276,7 +277,7 @@ def post_forward(unit: Unit, module: nn.Module, args, output):
     (a module of it skipped) are completed by the root's post-forward."""
     ctx: RootContext = unit.ctx
     out_dtype = unit.mp.output_dtype
-    if ctx.in_backward:  # a recompute: no reshard; its pre-backward hooks where pre_forward registered hooks
+    if ctx.in_backward:  # a recompute: no reshard; pre-backward hooks on its outputs if pre_forward marked its inputs
         if out_dtype is not None:
             output = _cast_floats(output, out_dtype)
         if unit.recompute_hooked and torch.is_grad_enabled():

@@ -342,7 +342,11 @@ def test_state_dict_and_checkpoint_world_size_4_hsdp():
 # ---------------------------------------------------------------------------
 # A checkpoint resumed at another world size (DCP reshards it)
 # ---------------------------------------------------------------------------
-RESHARD_CFG = dict(model="odd", steps=3)  # dims 0 that no world size below divides evenly
+RESHARD_CFG = dict(model="odd", steps=3)  # dims 0 of 3, 13, 30, 67, 91: uneven shards at 2, 3 and 4 ranks
+
+
+def _cfg_for_reshard(mesh: str) -> Cfg:
+    return Cfg(mesh=mesh, **RESHARD_CFG)
 
 
 def _save_at_ws2(path: str) -> None:
@@ -356,10 +360,6 @@ def _save_at_ws2(path: str) -> None:
     if dist.get_rank() == 0:
         torch.save(full_states, os.path.join(path, "full_states.pt"))
     dist.barrier()
-
-
-def _cfg_for_reshard(mesh: str) -> Cfg:
-    return Cfg(mesh=mesh, **RESHARD_CFG)
 
 
 def _load_and_continue(path: str, mesh: str) -> None:

@@ -85,7 +85,7 @@ def _run(impl, model: str, mp: bool) -> dict:
     m = MODELS[model]()
     kw = dict(mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if mp else {}
     if mp:  # BatchNorm in fp32 units of its own, as FSDP2 users do: its running stats stay fp32
-        for bn in [x for x in m.modules() if isinstance(x, nn.modules.batchnorm._BatchNorm)]:
+        for bn in [x for x in m.modules() if isinstance(x, (nn.BatchNorm1d, nn.BatchNorm2d))]:
             impl.fully_shard(bn)
     for u in m.units():
         impl.fully_shard(u, **kw)
