@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dist_utils import assert_close, ctx, full, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, assert_same_run, ctx, full, load_impl, ref_impl, run_distributed, run_grid
 from models import Cfg, Transformer, build_fsdp, make_batches, make_mesh, make_optim, train_fsdp
 
 EXACT = dict(rtol=0, atol=0)
@@ -381,18 +381,10 @@ def _load_and_continue(path: str, mesh: str) -> None:
         got_optim = get_optimizer_state_dict(model, opt, options=FULL)
         what = f"[{impl.name}, world size {ws}, {mesh}]"
         if dist.get_rank() == 0:  # a full state dict with cpu_offload is rank 0's only
-            assert got_model.keys() == saved_model.keys(), what
-            for k, v in saved_model.items():
-                assert_close(f"{what} loaded {k}", got_model[k], v, EXACT)
-            assert got_optim["state"].keys() == saved_optim["state"].keys(), what
-            for k, states in saved_optim["state"].items():
-                for s, v in states.items():
-                    assert_close(f"{what} loaded optimizer state {k}.{s}", got_optim["state"][k][s], v, EXACT)
+            _compare_sd(f"{what} loaded model state", got_model, saved_model, EXACT)
+            _compare_sd(f"{what} loaded optimizer states", got_optim["state"], saved_optim["state"], EXACT)
         runs[impl.name] = train_fsdp(impl, model, cfg, opt=opt, start=2)
-    ours, theirs = runs[load_impl().name], runs["torch"]
-    assert_close(f"[world size {ws}, {mesh}] losses after resuming", ours["losses"], theirs["losses"], EXACT)
-    for n, v in theirs["params"].items():
-        assert_close(f"[world size {ws}, {mesh}] {n} after resuming", ours["params"][n], v, EXACT)
+    assert_same_run(f"[world size {ws}, {mesh}] after resuming", runs[load_impl().name], runs["torch"])
 
 
 def test_checkpoint_resumed_at_other_world_sizes(tmp_path):

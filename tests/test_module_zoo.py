@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dist_utils import assert_close, assert_same_run, full_params, grid, load_impl, ref_impl, run_distributed, run_grid
+from models import train_steps
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -90,18 +91,10 @@ def _run(impl, model: str, mp: bool) -> dict:
     for u in m.units():
         impl.fully_shard(u, **kw)
     impl.fully_shard(m, **kw)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(10 + dist.get_rank())
-    losses = []
-    for _ in range(3):
-        loss = m(torch.randn(6, 4, generator=gen)).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(m, steps=3, batch=6)
     m.eval()
     with torch.no_grad():
-        evaluation = m(torch.randn(6, 4, generator=gen)).float()
+        evaluation = m(torch.randn(6, 4, generator=torch.Generator().manual_seed(20 + dist.get_rank()))).float()
     m.train()
     return dict(losses=losses, params=full_params(m), evaluation=evaluation,
                 buffers={n: b.clone() for n, b in m.named_buffers()})
