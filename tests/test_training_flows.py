@@ -8,6 +8,10 @@
   (AdamW leaves them alone).
 * **Fused AdamW with parameter groups** (weight decay on the matrices only, as Hugging Face
   and most training scripts set it).
+* **A GAN**: two root modules, each with nested units and an optimizer of its own. The
+  discriminator runs three times per step: on real data and on the detached generator output
+  (its own backward), then on the generator output again in the generator's backward, whose
+  gradients reach the discriminator's units too and are zeroed before its next step.
 
 Bit for bit torch FSDP2's losses, gradients of the last step (None where torch has None) and
 parameters, in fp32 and with a bf16 policy; in fp32 also an unsharded model trained on the mean
@@ -106,8 +110,45 @@ def _body(flow: str, mp: bool) -> None:
         assert_same_run(f"{what} against an unsharded model", ours, _unsharded_run(flow), FP32_TOL)
 
 
+def _gan_run(impl, mp: bool, sharded: bool = True) -> dict:
+    torch.manual_seed(0)
+    gen, disc = _model(), _model()
+    if sharded:
+        gen, disc = shard_stack(impl, gen, mp=mp), shard_stack(impl, disc, mp=mp)
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=1e-2), torch.optim.Adam(disc.parameters(), lr=1e-2)
+    bce = torch.nn.BCEWithLogitsLoss()
+    ranks = [dist.get_rank()] if sharded else range(dist.get_world_size())
+    data = {r: (_inputs(r), _inputs(100 + r)) for r in ranks}  # (noise, real data) per step
+    losses = []
+    for step in range(STEPS):
+        fake = {r: gen(data[r][0][step]).float().expand(-1, 4) for r in ranks}
+        loss_d = torch.stack([bce(disc(data[r][1][step]).float(), torch.ones(4, 1))
+                              + bce(disc(fake[r].detach()).float(), torch.zeros(4, 1)) for r in ranks]).mean()
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_d.step()
+        loss_g = torch.stack([bce(disc(fake[r]).float(), torch.ones(4, 1)) for r in ranks]).mean()
+        opt_g.zero_grad()
+        loss_g.backward()
+        opt_g.step()
+        losses += [loss_d.item(), loss_g.item()]
+    return dict(losses=losses, params={**{f"gen.{n}": p for n, p in full_params(gen).items()},
+                                       **{f"disc.{n}": p for n, p in full_params(disc).items()}})
+
+
+def _gan_body(mp: bool) -> None:
+    ours = _gan_run(load_impl(), mp)
+    assert_same_run(f"[gan, mp {mp}]", ours, _gan_run(ref_impl(), mp))
+    if not mp:  # an unsharded pair trained on every rank's data (losses: the mean over the ranks)
+        ref = _gan_run(None, mp, sharded=False)
+        mean_losses = torch.tensor(ours["losses"])
+        dist.all_reduce(mean_losses)
+        assert_same_run("[gan] against an unsharded pair", dict(ours, losses=(mean_losses / dist.get_world_size()).tolist()), ref, FP32_TOL)
+
+
 def _check() -> None:
     run_grid(grid(flow=["layerdrop", "fused_adamw_groups"], mp=[False, True]), _body)
+    run_grid(grid(mp=[False, True]), _gan_body)
 
 
 def test_training_flows_match_torch_and_unsharded():
