@@ -20,6 +20,16 @@ CI builds the CUDA kernels against the newest).
   original dtype (their ``grad_dtype``): fp32 for fp32 parameters computed in bf16. Gradients
   accumulated with gradient sync off follow the same dtype. fsdp_native does what the
   installed torch's FSDP2 does, so its numbers stay torch's on each version.
+* ``GRAD_IN_REDUCE_DTYPE``: from torch 2.15 (not 2.14) FSDP2 sets the ``grad_dtype`` of each
+  unsharded parameter to the policy's ``reduce_dtype``, else the parameter's original dtype,
+  and autograd hands over the gradients in it. Where that is wider than the compute dtype
+  (bf16 compute, fp32 reduce), torch lifts it (``None``) during every backward that reduces or
+  adds to a gradient already there, and restores it after. So an op whose backward makes
+  fp32 gradients for bf16 weights (the CPU LSTM's) keeps them, where before 2.15 autograd
+  rounded them to bf16; and in the first backward without gradient sync, a parameter used
+  several times (a layer applied twice, an RNN's recurrent weight) has its contributions
+  summed in fp32, where every other backward sums them in bf16. ``Unit.defer_grad_upcast`` and
+  ``Unit.restore_grad_dtypes`` do the same, so the gradients are torch's bit for bit.
 * ``TP_GRAD_IN_REDUCE_DTYPE``: from torch 2.15 (seen on 2.15, not on 2.13; 2.14 not checked) a
   tensor-parallel parameter with a ``Replicate`` placement, whose gradient may be ``Partial``
   over TP, keeps autograd's gradient in the reduce dtype where that is wider than the compute
@@ -42,6 +52,7 @@ TORCH_VERSION = _version(torch.__version__)
 DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 12)
 REDUCE_IN_ORIG_DTYPE = TORCH_VERSION >= (2, 15)
 TP_GRAD_IN_REDUCE_DTYPE = TORCH_VERSION >= (2, 15)
+GRAD_IN_REDUCE_DTYPE = TORCH_VERSION >= (2, 15)
 
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"

@@ -126,6 +126,7 @@ class RootContext:
         for u in self.units:
             u.backward_reached = False
             u.recompute_hooked = False
+            u.restore_grad_dtypes()
             u.release_pending()
             if u.reshard_after_backward:
                 u.reshard()
@@ -329,6 +330,7 @@ def pre_backward(unit: Unit) -> None:
     unit.backward_reached = True
     if unit.unshard_in_backward:
         unit.unshard()
+    unit.defer_grad_upcast()
     _prefetch(unit.backward_prefetch, ctx.prev_forward.get(unit), backward=True)
     if _trace.active is not None:
         unit._t_compute = _trace.now_us()

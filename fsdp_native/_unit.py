@@ -111,6 +111,9 @@ class Unit:
         # Unsharded gradients accumulated over no-sync micro-batches in the reduce dtype, when
         # that differs from the parameter dtype (bf16 compute, fp32 reduce), as torch does.
         self._accumulated: list[torch.Tensor | None] | None = None
+        # torch >= 2.15 (_compat.GRAD_IN_REDUCE_DTYPE): (index, dtype) of the unsharded
+        # parameters whose gradient accumulates in a dtype wider than their compute dtype
+        self._wide_grads: list[tuple[int, torch.dtype]] = []
         self.fqn = ""
         # Forward-pass state of the unit as one hook target (several modules may share it).
         self.in_forward = False
@@ -446,7 +449,7 @@ class Unit:
         subclasses), and the mixed precision policy resolved again (``param_dtype`` still
         applies; without it they compute in their new dtype). The caller re-packs the shards.
         Returns the parameters in the new unit order."""
-        accumulating = self.partial_reduce is not None or any(a is not None for a in self._accumulated or ())
+        accumulating = self.partial_reduce is not None or self.has_unreduced_grads()
         if self.is_unsharded or self.pending_ag is not None or self.pending_rs is not None or accumulating:
             raise RuntimeError(
                 f"fsdp_native: the dtype of parameters of unit '{self.fqn or 'root'}' changed while the unit was unsharded "
@@ -488,9 +491,53 @@ class Unit:
             None if t is None else nn.Parameter(t, requires_grad=rg) if spec is None else _tp.unsharded(t, spec, rg)
             for t, rg, spec in zip(typed, layout.requires_grad, self.tp_specs)
         ]
+        self._init_grad_dtypes()
         self._unsharded_plain = plain  # plain views the copy-out writes (no autograd on them)
         self._unsharded_typed = typed  # the same, typed and shaped (a strided parameter's copy-out target)
         flat.untyped_storage().resize_(0)  # views made; memory comes with the first unshard
+
+    # ---------------------------------------------------------------- gradient dtypes (torch >= 2.15)
+    # torch 2.15's FSDP2 gives each unsharded parameter the ``grad_dtype`` it accumulates its
+    # gradient in: the policy's reduce dtype, else the parameter's original dtype. Where that
+    # is wider than the compute dtype (bf16 compute, fp32 reduce), it lifts the dtype during
+    # backwards that reduce or add to a gradient already there, so that autograd hands over
+    # gradients as the ops made them (bf16 contributions summed in bf16; an op's fp32
+    # gradient, such as the CPU LSTM's, kept), and restores it after: a gradient that is kept
+    # for accumulation is upcast then, and the first backward without sync accumulates in the
+    # wide dtype. fsdp_native does the same, so that its gradients are torch's bit for bit.
+    # Tensor-parallel parameters keep the _tp.local_grad shim (_compat.TP_GRAD_IN_REDUCE_DTYPE),
+    # and tensor-subclass parameters (all-gather extensions) the dtype their gradients have.
+    def _init_grad_dtypes(self) -> None:
+        self._wide_grads = []
+        # A unit without a reduce dtype has trainable parameters of several original dtypes,
+        # which torch FSDP2 refuses at its first forward: no torch behaviour to follow there.
+        if not _compat.GRAD_IN_REDUCE_DTYPE or self.policy_reduce_dtype is None:
+            return
+        layout = self.layout
+        for i, (p, orig, spec) in enumerate(zip(self.unsharded_params, layout.orig_dtypes, self.tp_specs)):
+            if p is None or spec is not None or layout.ext[i] or not orig.is_floating_point or not p.dtype.is_floating_point:
+                continue
+            dtype = self.mp.reduce_dtype or orig
+            p.grad_dtype = dtype
+            if dtype.itemsize > p.dtype.itemsize:
+                self._wide_grads.append((i, dtype))
+
+    def defer_grad_upcast(self) -> None:
+        """At the unit's pre-backward (torch 2.15's FSDPParamGroup.pre_backward)."""
+        for i, _ in self._wide_grads:
+            p = self.unsharded_params[i]
+            if p.requires_grad and (p.grad is not None or self.requires_gradient_sync):
+                p.grad_dtype = None
+
+    def restore_grad_dtypes(self) -> None:
+        """After the unit's backward: a gradient kept for accumulation is upcast."""
+        for i, dtype in self._wide_grads:
+            p = self.unsharded_params[i]
+            if not p.requires_grad:
+                continue
+            if p.grad is not None and p.grad.dtype != dtype:
+                p.grad = p.grad.to(dtype)
+            p.grad_dtype = dtype
 
     def _alloc_unsharded(self) -> int:
         """Allocates the unsharded storage; returns the bytes newly allocated."""
@@ -516,7 +563,7 @@ class Unit:
     def _drop_unsharded(self) -> None:
         """Forgets the unsharded parameters (a new layout or device), freeing a kept storage."""
         self._free_unsharded(force=True)
-        self.unsharded_flat, self.unsharded_params = None, []
+        self.unsharded_flat, self.unsharded_params, self._wide_grads = None, [], []
 
     def _account(self, nbytes: int) -> None:
         self.acct.add(nbytes)
@@ -767,6 +814,7 @@ class Unit:
                     acc[i] += p.grad  # a TP gradient stays a DTensor (Partial ones reduced once, at sync)
                     p.grad = None
         if not self.requires_gradient_sync:
+            self.restore_grad_dtypes()
             rd = self.policy_reduce_dtype
             if rd is not None:
                 if acc is None:
@@ -788,6 +836,7 @@ class Unit:
                 self._check_grad_dtypes(grads)
             for p in ups:
                 p.grad = None
+            self.restore_grad_dtypes()
             if any(has_grad):
                 # `grads` is now the gradients' only owner; the reducer empties it once they
                 # are copied into the reduce-scatter input.

@@ -11,6 +11,13 @@
   parameters computed in bf16 are reduced in bf16 before 2.15 and in fp32 from 2.15
   (``fsdp_native._compat.REDUCE_IN_ORIG_DTYPE``). Bit for bit against torch FSDP2; the two
   reductions give different numbers, so a wrong choice fails.
+* The dtype autograd hands the unsharded gradients over in (torch 2.15's ``grad_dtype`` on the
+  unsharded parameters, ``fsdp_native._compat.GRAD_IN_REDUCE_DTYPE``): a Linear applied twice
+  and a GRU (its recurrent weight is used at every step), with a bf16 policy and fp32
+  reduction, with and without gradient accumulation, bit for bit torch FSDP2's. From 2.15 the
+  first micro-batch without sync sums such contributions in fp32 and every other backward in
+  bf16; before 2.15 all in bf16; an unsharded bf16 model with ``grad_dtype`` fp32 sums them in
+  fp32 always, so neither a fixed ``grad_dtype`` nor none matches torch 2.15.
 * Bad overrides raise at ``fully_shard`` naming the parameter.
 """
 from __future__ import annotations
@@ -280,3 +287,39 @@ def test_override_mismatch_across_ranks_raises():
     if load_impl().name != "fsdp_native":
         pytest.skip("fsdp_native's structure check")
     run_distributed(_override_differs_across_ranks, 2)
+
+
+class Reused(nn.Module):
+    """A Linear applied twice and a GRU over 3 steps: parameters with several gradient
+    contributions per backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.gru = nn.GRU(6, 6, batch_first=True)
+
+    def forward(self, x):
+        h = self.lin(torch.tanh(self.lin(x)))
+        return self.gru(h.unsqueeze(1) * torch.arange(1, 4, dtype=h.dtype).view(1, 3, 1))[0][:, -1]
+
+
+def _train_reused(impl, accum: int) -> dict:
+    torch.manual_seed(0)
+    model = BlockStack(Reused, dim=6, n=2)
+    mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        impl.fully_shard(b, mp_policy=mp)
+    impl.fully_shard(model, mp_policy=mp)
+    return dict(losses=train_steps(model, accum=accum), params=full_params(model))
+
+
+def _check_reused(accum: int) -> None:
+    _same(f"[reused parameters, accum {accum}]", _train_reused(load_impl(), accum), _train_reused(ref_impl(), accum))
+
+
+def _grid_reused():
+    run_grid([dict(accum=1), dict(accum=3)], _check_reused)
+
+
+def test_reused_parameters_gradient_dtype_matches_torch():
+    run_distributed(_grid_reused, 2)
