@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_native import _extension, _tp
+from fsdp_native import _compat, _extension, _tp
 from fsdp_native._api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -115,6 +115,12 @@ def fully_shard(
             raise ValueError(
                 f"fully_shard: argument 'module' has a scalar (0-dim) parameter '{name}'; FSDP shards dim 0, "
                 "make it a 1-D tensor of size 1"
+            )
+        if _compat.GRAD_IN_REDUCE_DTYPE and getattr(p, "_has_grad_dtype_override", False) and p.grad_dtype != p.dtype:
+            raise NotImplementedError(
+                f"fully_shard: parameter '{name}' has grad_dtype {p.grad_dtype} and dtype {p.dtype}; fsdp_native keeps "
+                "each sharded gradient in its parameter's dtype (torch 2.15's FSDP2 keeps the grad_dtype): set "
+                "p.grad_dtype = p.dtype, and MixedPrecisionPolicy(reduce_dtype=...) for the dtype of the reduction"
             )
     _check_devices(params, names)
     local, tp_specs = _tp.split(params, names, info, post is not None, spmd)

@@ -41,6 +41,9 @@ ValueError = bad value, TypeError = wrong type, NotImplementedError = valid but 
   Shard(1) of a dim of 9 ranks   NotImplementedError (as torch: a dim other than 0 is sharded evenly only)
   copy.deepcopy of a sharded     AssertionError (as torch; what swa_utils.AveragedModel, an EMA copy, does)
   module                                      "fsdp_native: FSDP modules do not support deepcopy; use the state dict"
+  p.grad_dtype = torch.float32   NotImplementedError on torch 2.15, whose FSDP2 keeps fp32 gradients for such
+  on a bf16 parameter                         a parameter (exact message in case() below); before 2.15 FSDP2
+                                              drops the override, and so does fsdp_native
 
 After each case every rank runs a collective that checks the process group is
 still usable and in step (a rank that hung or issued an extra collective fails it).
@@ -58,6 +61,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dist_utils import load_impl, raises_exactly, run_distributed, run_grid
+from fsdp_native import _compat
 from models import MLPStack
 
 
@@ -200,6 +204,23 @@ def case(name):
                     lambda: torch.optim.swa_utils.AveragedModel(m, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)))
         if impl.name == "fsdp_native":
             assert str(e) == "fsdp_native: FSDP modules do not support deepcopy; use the state dict", str(e)
+    elif name == "grad_dtype_override":
+        m = MLPStack().bfloat16()
+        m.layers[0].weight.grad_dtype = torch.float32
+        if _compat.GRAD_IN_REDUCE_DTYPE and impl.name == "fsdp_native":
+            raises_exactly(
+                NotImplementedError,
+                "fully_shard: parameter 'layers.0.weight' has grad_dtype torch.float32 and dtype torch.bfloat16; "
+                "fsdp_native keeps each sharded gradient in its parameter's dtype (torch 2.15's FSDP2 keeps the "
+                "grad_dtype): set p.grad_dtype = p.dtype, and MixedPrecisionPolicy(reduce_dtype=...) for the dtype of "
+                "the reduction",
+                lambda: fs(m, mesh=mesh),
+            )
+            assert not any(isinstance(p, DTensor) for p in m.parameters()), "a refused fully_shard must leave the module as it was"
+        elif not _compat.GRAD_IN_REDUCE_DTYPE:  # before 2.15 FSDP2 drops the override: gradients in the param dtype
+            fs(m, mesh=mesh)
+            m(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+            assert m.layers[0].weight.grad.dtype == torch.bfloat16, m.layers[0].weight.grad.dtype
     else:
         raise AssertionError(f"unknown case {name}")
     _check_group_in_step()
@@ -227,6 +248,7 @@ CASES = [
     "shard_placement_not_shard",
     "shard_placement_uneven_dim",
     "deepcopy",
+    "grad_dtype_override",
 ]
 
 
