@@ -29,7 +29,8 @@ CI builds the CUDA kernels against the newest).
   rounded them to bf16; and in the first backward without gradient sync, a parameter used
   several times (a layer applied twice, an RNN's recurrent weight) has its contributions
   summed in fp32, where every other backward sums them in bf16. ``Unit.defer_grad_upcast`` and
-  ``Unit.restore_grad_dtypes`` do the same, so the gradients are torch's bit for bit.
+  ``Unit.restore_grad_dtypes`` do the same, so the gradients are torch's bit for bit. A
+  tensor-parallel parameter with a ``Replicate`` placement keeps the wide dtype throughout.
 * ``TP_GRAD_IN_REDUCE_DTYPE``: from torch 2.15 (seen on 2.15, not on 2.13; 2.14 not checked) a
   tensor-parallel parameter with a ``Replicate`` placement, whose gradient may be ``Partial``
   over TP, keeps autograd's gradient in the reduce dtype where that is wider than the compute

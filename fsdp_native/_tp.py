@@ -175,6 +175,13 @@ def unsharded(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn
     return p
 
 
+def may_reduce_outside_dp(spec: DTensorSpec, spmd: Spmd | None) -> bool:
+    """Whether the gradient of a parameter with these TP placements may be ``Partial`` outside
+    the data-parallel dims (a ``Replicate`` placement there), to be reduced over TP."""
+    dp = () if spmd is None else spmd.dp_dims
+    return any(isinstance(pl, Replicate) for i, pl in enumerate(spec.placements) if i not in dp)
+
+
 def local_grad(grad, spec: DTensorSpec, reduce_dtype: torch.dtype | None, spmd: Spmd | None = None) -> torch.Tensor:
     """The local tensor of an unsharded parameter's gradient, in the parameter's TP placements
     (with SPMD: on the dims that are not data parallel; the data-parallel dims keep the
@@ -187,7 +194,7 @@ def local_grad(grad, spec: DTensorSpec, reduce_dtype: torch.dtype | None, spmd: 
         and reduce_dtype is not None
         and grad.dtype.is_floating_point
         and reduce_dtype.itemsize > grad.dtype.itemsize
-        and any(isinstance(pl, Replicate) for i, pl in enumerate(spec.placements) if i not in dp)
+        and may_reduce_outside_dp(spec, spmd)
     ):
         grad = grad.to(reduce_dtype)
     target = tuple(grad.placements[i] if i in dp else pl for i, pl in enumerate(spec.placements))

@@ -505,8 +505,9 @@ class Unit:
     # gradient, such as the CPU LSTM's, kept), and restores it after: a gradient that is kept
     # for accumulation is upcast then, and the first backward without sync accumulates in the
     # wide dtype. fsdp_native does the same, so that its gradients are torch's bit for bit.
-    # Tensor-parallel parameters keep the _tp.local_grad shim (_compat.TP_GRAD_IN_REDUCE_DTYPE),
-    # and tensor-subclass parameters (all-gather extensions) the dtype their gradients have.
+    # A tensor-parallel parameter whose gradient may be reduced over TP (a Replicate placement)
+    # keeps the wide dtype throughout, as torch keeps it; tensor-subclass parameters (all-gather
+    # extensions) keep the dtype their gradients have.
     def _init_grad_dtypes(self) -> None:
         self._wide_grads = []
         # A unit without a reduce dtype has trainable parameters of several original dtypes,
@@ -515,11 +516,11 @@ class Unit:
             return
         layout = self.layout
         for i, (p, orig, spec) in enumerate(zip(self.unsharded_params, layout.orig_dtypes, self.tp_specs)):
-            if p is None or spec is not None or layout.ext[i] or not orig.is_floating_point or not p.dtype.is_floating_point:
+            if p is None or layout.ext[i] or not orig.is_floating_point or not p.dtype.is_floating_point:
                 continue
             dtype = self.mp.reduce_dtype or orig
             p.grad_dtype = dtype
-            if dtype.itemsize > p.dtype.itemsize:
+            if dtype.itemsize > p.dtype.itemsize and (spec is None or not _tp.may_reduce_outside_dp(spec, self.spmd)):
                 self._wide_grads.append((i, dtype))
 
     def defer_grad_upcast(self) -> None:

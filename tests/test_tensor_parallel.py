@@ -9,8 +9,10 @@ blocks and the root on ``mesh["dp"]``. 4 gloo ranks as 2 x 2.
   unit; and sequence parallelism, whose replicated norm weights get ``Partial`` gradients that
   must be all-reduced over TP before the data-parallel reduce-scatter (once, after gradient
   accumulation without sync; in fp32 for bf16 compute from torch 2.15). fp32 and bf16 compute
-  with fp32 reduction, gradient accumulation without sync, HSDP (a 3-D mesh), and torchtitan's
-  meta-device flow (parallelize and shard on meta, ``to_empty``, initialise the DTensors).
+  with fp32 reduction, gradient accumulation without sync, HSDP (a 3-D mesh), torchtitan's
+  meta-device flow (parallelize and shard on meta, ``to_empty``, initialise the DTensors), and
+  blocks whose layers run twice (bf16, with and without accumulation: torch 2.15 sums such
+  gradient contributions in fp32 for replicated TP parameters and in bf16 for sharded ones).
 * **pytorch/examples' ``fsdp_tp_example.py``** (its plan on a small Llama: row-wise
   embeddings, sequence-parallel norms, column/row-wise attention and feed-forward, the whole
   model one unit as there, and also a unit per block): losses and local shards bit for bit
@@ -57,11 +59,20 @@ class Block(nn.Module):
         return x + self.w2(torch.relu(self.w1(self.norm(x))))
 
 
+class ReusedBlock(Block):
+    """The block's layers applied twice: TP parameters with two gradient contributions per
+    backward, whose sum torch 2.15 makes in bf16 or fp32 by its ``grad_dtype`` rule."""
+
+    def forward(self, x):
+        h = x + self.w2(torch.relu(self.w1(self.norm(x))))
+        return h + self.w2(torch.relu(self.w1(self.norm(h))))
+
+
 class Model(nn.Module):
-    def __init__(self, n: int = 3) -> None:
+    def __init__(self, n: int = 3, block=Block) -> None:
         super().__init__()
         self.inp = nn.Linear(DIM, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.blocks = nn.ModuleList(block() for _ in range(n))
         self.out = nn.Linear(DIM, 5, bias=False)
 
     def forward(self, x):
@@ -88,12 +99,12 @@ def _mesh(hsdp: bool):
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def _build(impl, sp: bool, hsdp: bool, mp: bool, seed: int = 0, raf=True, meta: bool = False):
+def _build(impl, sp: bool, hsdp: bool, mp: bool, seed: int = 0, raf=True, meta: bool = False, reuse: bool = False):
     """The model with the TP plan and fully_shard; with `meta`, as torchtitan: built on the meta
     device, parallelized and sharded there, then ``to_empty`` and initialised on the DTensors."""
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
-        model = Model()
+        model = Model(block=ReusedBlock if reuse else Block)
     mesh = _mesh(hsdp)
     tp, dp = mesh["tp"], mesh["rep", "dp"] if hsdp else mesh["dp"]
     for b in model.blocks:
@@ -166,13 +177,13 @@ def _expected_local(full: torch.Tensor, p: DTensor) -> torch.Tensor:
     return local
 
 
-def parity(sp: bool, mp: bool, hsdp: bool = False, accum: int = 1, meta: bool = False) -> None:
+def parity(sp: bool, mp: bool, hsdp: bool = False, accum: int = 1, meta: bool = False, reuse: bool = False) -> None:
     impl = load_impl()
-    what = f"[{impl.name}] sp={sp} mp={mp} hsdp={hsdp} accum={accum} meta={meta}"
-    got_model, mesh = _build(impl, sp, hsdp, mp, meta=meta)
+    what = f"[{impl.name}] sp={sp} mp={mp} hsdp={hsdp} accum={accum} meta={meta} reuse={reuse}"
+    got_model, mesh = _build(impl, sp, hsdp, mp, meta=meta, reuse=reuse)
     dp_rank = mesh.get_local_rank("dp")
     got = _train(got_model, dp_rank, accum=accum)
-    ref_model, _ = _build(ref_impl(), sp, hsdp, mp, meta=meta)
+    ref_model, _ = _build(ref_impl(), sp, hsdp, mp, meta=meta, reuse=reuse)
     ref = _train(ref_model, dp_rank, accum=accum)
     assert_close(f"{what}: losses", got, ref, dict(rtol=0, atol=0))
     a, b = _locals(got_model), _locals(ref_model)
@@ -188,6 +199,7 @@ def parity_grid() -> None:
     configs = [dict(sp=s, mp=m) for s in (False, True) for m in (False, True)]
     more = [dict(sp=False, mp=True, accum=2), dict(sp=True, mp=True, accum=2), dict(sp=True, mp=False, hsdp=True)]
     more.append(dict(sp=True, mp=True, meta=True))
+    more += [dict(sp=False, mp=True, reuse=True), dict(sp=True, mp=True, accum=2, reuse=True)]
     run_grid(configs + more, parity, "tp")
 
 
