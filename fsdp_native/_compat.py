@@ -31,7 +31,7 @@ CI builds the CUDA kernels against the newest).
   summed in fp32, where every other backward sums them in bf16. ``Unit.defer_grad_upcast`` and
   ``Unit.restore_grad_dtypes`` do the same, so the gradients are torch's bit for bit. A
   tensor-parallel parameter with a ``Replicate`` placement keeps the wide dtype throughout.
-* ``TP_GRAD_IN_REDUCE_DTYPE``: from torch 2.15 (seen on 2.15, not on 2.13; 2.14 not checked) a
+* ``TP_GRAD_IN_REDUCE_DTYPE``: from torch 2.15 (seen on 2.15, not on 2.13 or 2.14) a
   tensor-parallel parameter with a ``Replicate`` placement, whose gradient may be ``Partial``
   over TP, keeps autograd's gradient in the reduce dtype where that is wider than the compute
   dtype, so the TP all-reduce of that gradient runs in fp32 for bf16 compute. Before, it ran
