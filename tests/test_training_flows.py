@@ -11,7 +11,8 @@
 * **A GAN**: two root modules, each with nested units and an optimizer of its own. The
   discriminator runs three times per step: on real data and on the detached generator output
   (its own backward), then on the generator output again in the generator's backward, whose
-  gradients reach the discriminator's units too and are zeroed before its next step.
+  gradients reach the discriminator's units too and are zeroed before its next step. Losses
+  and parameters of both models are compared.
 
 Bit for bit torch FSDP2's losses, gradients of the last step (None where torch has None) and
 parameters, in fp32 and with a bf16 policy; in fp32 also an unsharded model trained on the mean
