@@ -28,7 +28,9 @@ CI builds the CUDA kernels against the newest).
   fp32 gradients for bf16 weights (the CPU LSTM's) keeps them, where before 2.15 autograd
   rounded them to bf16; and in the first backward without gradient sync, a parameter used
   several times (a layer applied twice, an RNN's recurrent weight) has its contributions
-  summed in fp32, where every other backward sums them in bf16. ``Unit.defer_grad_upcast`` and
+  summed in fp32, where every other backward sums them in bf16. A reduce dtype narrower than
+  the compute dtype (fp32 compute, bf16 reduction) is never lifted: each contribution is cast
+  to bf16 before the sum. ``Unit.defer_grad_upcast`` and
   ``Unit.restore_grad_dtypes`` do the same, so the gradients are torch's bit for bit. A
   tensor-parallel parameter with a ``Replicate`` placement keeps the wide dtype throughout.
 * ``TP_GRAD_IN_REDUCE_DTYPE``: from torch 2.15 (seen on 2.15, not on 2.13 or 2.14) a

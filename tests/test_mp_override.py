@@ -14,7 +14,9 @@
 * The dtype autograd hands the unsharded gradients over in (torch 2.15's ``grad_dtype`` on the
   unsharded parameters, ``fsdp_native._compat.GRAD_IN_REDUCE_DTYPE``): a Linear applied twice
   and a GRU (its recurrent weight is used at every step), with a bf16 policy and fp32
-  reduction, with and without gradient accumulation, bit for bit torch FSDP2's. From 2.15 the
+  reduction, and with fp32 compute and bf16 reduction (there torch 2.15 casts each
+  contribution to bf16 before summing), with and without gradient accumulation, bit for bit
+  torch FSDP2's. From 2.15 the
   first micro-batch without sync sums such contributions in fp32 and every other backward in
   bf16; before 2.15 all in bf16; an unsharded bf16 model with ``grad_dtype`` fp32 sums them in
   fp32 always, so neither a fixed ``grad_dtype`` nor none matches torch 2.15.
@@ -303,22 +305,29 @@ class Reused(nn.Module):
         return self.gru(h.unsqueeze(1) * torch.arange(1, 4, dtype=h.dtype).view(1, 3, 1))[0][:, -1]
 
 
-def _train_reused(impl, accum: int) -> dict:
+_REUSED_POLICIES = {
+    "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "reduce_bf16": dict(reduce_dtype=torch.bfloat16),  # fp32 compute: grad_dtype bf16, narrower
+}
+
+
+def _train_reused(impl, accum: int, policy: str) -> dict:
     torch.manual_seed(0)
     model = BlockStack(Reused, dim=6, n=2)
-    mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = impl.MixedPrecisionPolicy(**_REUSED_POLICIES[policy])
     for b in model.blocks:
         impl.fully_shard(b, mp_policy=mp)
     impl.fully_shard(model, mp_policy=mp)
     return dict(losses=train_steps(model, accum=accum), params=full_params(model))
 
 
-def _check_reused(accum: int) -> None:
-    _same(f"[reused parameters, accum {accum}]", _train_reused(load_impl(), accum), _train_reused(ref_impl(), accum))
+def _check_reused(accum: int, policy: str) -> None:
+    what = f"[reused parameters, accum {accum}, {policy}]"
+    _same(what, _train_reused(load_impl(), accum, policy), _train_reused(ref_impl(), accum, policy))
 
 
 def _grid_reused():
-    run_grid([dict(accum=1), dict(accum=3)], _check_reused)
+    run_grid([dict(accum=a, policy=p) for p in _REUSED_POLICIES for a in (1, 3)], _check_reused)
 
 
 def test_reused_parameters_gradient_dtype_matches_torch():
