@@ -32,12 +32,9 @@ CI builds the CUDA kernels against the newest).
   the compute dtype (fp32 compute, bf16 reduction) is never lifted: each contribution is cast
   to bf16 before the sum. ``Unit.defer_grad_upcast`` and
   ``Unit.restore_grad_dtypes`` do the same, so the gradients are torch's bit for bit. A
-  tensor-parallel parameter with a ``Replicate`` placement keeps the wide dtype throughout.
-* ``TP_GRAD_IN_REDUCE_DTYPE``: from torch 2.15 (seen on 2.15, not on 2.13 or 2.14) a
   tensor-parallel parameter with a ``Replicate`` placement, whose gradient may be ``Partial``
-  over TP, keeps autograd's gradient in the reduce dtype where that is wider than the compute
-  dtype, so the TP all-reduce of that gradient runs in fp32 for bf16 compute. Before, it ran
-  in the compute dtype.
+  over TP, keeps the wide dtype throughout, so the TP all-reduce of that gradient runs in fp32
+  for bf16 compute (before 2.15, in the compute dtype).
 """
 from __future__ import annotations
 
@@ -54,7 +51,6 @@ TORCH_VERSION = _version(torch.__version__)
 
 DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 12)
 REDUCE_IN_ORIG_DTYPE = TORCH_VERSION >= (2, 15)
-TP_GRAD_IN_REDUCE_DTYPE = TORCH_VERSION >= (2, 15)
 GRAD_IN_REDUCE_DTYPE = TORCH_VERSION >= (2, 15)
 
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
-from fsdp_native import _compat, _extension
+from fsdp_native import _extension
 from fsdp_native._mesh import mesh_info
 
 
@@ -182,21 +182,13 @@ def may_reduce_outside_dp(spec: DTensorSpec, spmd: Spmd | None) -> bool:
     return any(isinstance(pl, Replicate) for i, pl in enumerate(spec.placements) if i not in dp)
 
 
-def local_grad(grad, spec: DTensorSpec, reduce_dtype: torch.dtype | None, spmd: Spmd | None = None) -> torch.Tensor:
+def local_grad(grad, spec: DTensorSpec, spmd: Spmd | None = None) -> torch.Tensor:
     """The local tensor of an unsharded parameter's gradient, in the parameter's TP placements
     (with SPMD: on the dims that are not data parallel; the data-parallel dims keep the
     gradient's). From torch 2.15 a parameter with a ``Replicate`` TP placement (whose gradient
-    may be ``Partial``) takes its gradient in `reduce_dtype` where that is wider, so that the TP
-    reduction runs in it, as torch FSDP2 has autograd accumulate it (``grad_dtype``)."""
+    may be ``Partial``) has its gradient in the reduce dtype already, so that the TP reduction
+    runs in it: its ``grad_dtype`` (``Unit._init_grad_dtypes``)."""
     dp = () if spmd is None else spmd.dp_dims
-    if (
-        _compat.TP_GRAD_IN_REDUCE_DTYPE
-        and reduce_dtype is not None
-        and grad.dtype.is_floating_point
-        and reduce_dtype.itemsize > grad.dtype.itemsize
-        and may_reduce_outside_dp(spec, spmd)
-    ):
-        grad = grad.to(reduce_dtype)
     target = tuple(grad.placements[i] if i in dp else pl for i, pl in enumerate(spec.placements))
     if tuple(grad.placements) != target:
         grad = grad.redistribute(placements=target)

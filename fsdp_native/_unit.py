@@ -114,6 +114,7 @@ class Unit:
         # torch >= 2.15 (_compat.GRAD_IN_REDUCE_DTYPE): (index, dtype) of the unsharded
         # parameters whose gradient accumulates in a dtype wider than their compute dtype
         self._wide_grads: list[tuple[int, torch.dtype]] = []
+        self._grad_dtypes_lifted = False  # defer_grad_upcast lifted some; restore_grad_dtypes undoes it
         self.fqn = ""
         # Forward-pass state of the unit as one hook target (several modules may share it).
         self.in_forward = False
@@ -529,9 +530,14 @@ class Unit:
             p = self.unsharded_params[i]
             if p.requires_grad and (p.grad is not None or self.requires_gradient_sync):
                 p.grad_dtype = None
+                self._grad_dtypes_lifted = True
 
     def restore_grad_dtypes(self) -> None:
-        """After the unit's backward: a gradient kept for accumulation is upcast."""
+        """After the unit's backward: a gradient kept for accumulation is upcast. Where nothing
+        was lifted, every wide gradient already came in its wide dtype."""
+        if not self._grad_dtypes_lifted:
+            return
+        self._grad_dtypes_lifted = False
         for i, dtype in self._wide_grads:
             p = self.unsharded_params[i]
             if not p.requires_grad:
@@ -565,6 +571,7 @@ class Unit:
         """Forgets the unsharded parameters (a new layout or device), freeing a kept storage."""
         self._free_unsharded(force=True)
         self.unsharded_flat, self.unsharded_params, self._wide_grads = None, [], []
+        self._grad_dtypes_lifted = False
 
     def _account(self, nbytes: int) -> None:
         self.acct.add(nbytes)
@@ -846,7 +853,7 @@ class Unit:
     def _local_grad(self, i: int, grad):
         """Unsharded gradient `grad` of parameter `i` as the plain tensor the reducer takes."""
         spec = self.tp_specs[i]
-        return grad if grad is None or spec is None else _tp.local_grad(grad, spec, self.policy_reduce_dtype, self.spmd)
+        return grad if grad is None or spec is None else _tp.local_grad(grad, spec, self.spmd)
 
     def has_unreduced_grads(self) -> bool:
         """Gradients accumulated by backwards without gradient sync, not reduced yet."""
