@@ -1,7 +1,8 @@
 """The Transformers Trainer (fsdp=True with the fsdp_config of the Hugging Face FSDP2 docs) on
 fsdp_native vs on torch FSDP2: a tiny Llama from a LlamaConfig (no Hub) on 2 CPU ranks, both
 libraries in the same spawn, bitwise equal losses and parameters; generate() after training
-(the Trainer registers it with register_fsdp_forward_method); torch_compile=True."""
+(the Trainer registers it with register_fsdp_forward_method); torch_compile=True; checkpoints
+written during training and resume_from_checkpoint, across the two libraries; cpu_offload."""
 from __future__ import annotations
 
 import os
@@ -21,12 +22,12 @@ from test_hf_common import (
 STEPS = 3
 
 
-def _dataset(n: int):
+def _dataset(n: int, seed: int = 4321):
     import torch
 
     class Tokens(torch.utils.data.Dataset):
         def __init__(self):
-            g = torch.Generator().manual_seed(4321)
+            g = torch.Generator().manual_seed(seed)
             self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
 
         def __len__(self):
@@ -78,12 +79,19 @@ def trainer_run(
     gradient_checkpointing=False,
     gradient_checkpointing_kwargs=None,
     model_dtype=None,
+    max_steps=STEPS,
+    output_dir=None,
+    save_steps=None,
+    resume=None,
+    eval_steps=None,
     **cfg_overrides,
 ):
-    """Trainer.train for STEPS optimizer steps; returns (per-micro-batch losses, full params,
+    """Trainer.train for ``max_steps`` optimizer steps; returns (per-micro-batch losses, full params,
     generated tokens or None). ``lora``: a PEFT LoRA model; ``all_gather``: fsdp_native's
     quantized all-gather for the decoder layers; ``save_dir``: Trainer.save_model there after
-    training; ``on_trained(trainer)`` runs last."""
+    training; ``on_trained(trainer)`` runs last. ``save_steps``: a checkpoint every that many
+    steps under ``output_dir``; ``resume``: the checkpoint to resume from; ``eval_steps``: the
+    Trainer evaluates on a held-out set every that many steps (``trainer.state.log_history``)."""
     import torch
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
@@ -94,7 +102,8 @@ def trainer_run(
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
             loss = out[0] if return_outputs else out
-            self.recorded.append(loss.detach().float().clone())
+            if model.training:  # not the evaluation loop's losses
+                self.recorded.append(loss.detach().float().clone())
             return out
 
     reset_accelerate()
@@ -102,7 +111,7 @@ def trainer_run(
     cpu_ram = bool(cfg_overrides.get("cpu_ram_efficient_loading"))
     with impl_handle(impl, all_gather):
         args = TrainingArguments(
-            output_dir=os.path.join(ctx().tmpdir, f"out-{impl}"),
+            output_dir=output_dir or os.path.join(ctx().tmpdir, f"out-{impl}"),
             fsdp=True,
             fsdp_config=fsdp_config(**cfg_overrides),
             use_cpu=use_cpu,
@@ -110,12 +119,18 @@ def trainer_run(
             torch_compile=torch_compile,
             per_device_train_batch_size=2,
             gradient_accumulation_steps=ga,
-            max_steps=STEPS,
+            max_steps=max_steps,
             learning_rate=1e-2,
-            lr_scheduler_type="constant",
+            # with checkpoints, a schedule whose state must be saved and restored
+            lr_scheduler_type="linear" if save_steps else "constant",
+            warmup_steps=1 if save_steps else 0,
             logging_strategy="no",
             log_level="error",
-            save_strategy="no",
+            save_strategy="steps" if save_steps else "no",
+            save_steps=save_steps or 500,
+            eval_strategy="steps" if eval_steps else "no",
+            eval_steps=eval_steps,
+            per_device_eval_batch_size=3,
             report_to=[],
             disable_tqdm=True,
             dataloader_num_workers=0,
@@ -126,9 +141,14 @@ def trainer_run(
         model = lora_llama() if lora else tiny_llama(seed=rank if cpu_ram else 0)
         if model_dtype is not None:
             model.to(getattr(torch, model_dtype))
-        trainer = RecordingTrainer(model=model, args=args, train_dataset=_dataset(2 * world * ga * STEPS))
+        trainer = RecordingTrainer(
+            model=model,
+            args=args,
+            train_dataset=_dataset(2 * world * ga * max_steps),
+            eval_dataset=_dataset(5, seed=99) if eval_steps else None,
+        )
         trainer.recorded = []
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
         assert trainer.is_fsdp_enabled, "the Trainer did not run FSDP"
         check_impl(trainer.model, impl)
         params = full_params(trainer.model)
@@ -181,3 +201,63 @@ def _trainer_grid():
 
 def test_trainer_parity_ws2():
     run_distributed(_trainer_grid, 2, timeout=400)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints written during training, resume_from_checkpoint, CPU offload
+# --------------------------------------------------------------------------------------------
+CKPT_STEPS = 4  # a checkpoint after step 2, resumed to step 4
+
+
+def _eval_losses(into: list):
+    return lambda trainer: into.extend(h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h)
+
+
+def _resume(**cfg):
+    """save_strategy="steps" (every 2 steps, with evaluation), then a new Trainer resumes from
+    checkpoint-2 through the Trainer's own path (Accelerate's load_fsdp_model /
+    load_fsdp_optimizer, the scheduler, the RNG states, the data skipped). Each library's
+    uninterrupted run must equal the other's, and a resumed run must finish where the
+    uninterrupted one did: fsdp_native from its own checkpoint and from torch FSDP2's, torch
+    FSDP2 from fsdp_native's."""
+    base = ctx().tmpdir
+    tag = "-".join(f"{k}={v}" for k, v in sorted(cfg.items()))
+    run = dict(cfg, max_steps=CKPT_STEPS, save_steps=2)
+    full, evals = {}, {}
+    for impl in ("torch", "native"):
+        evals[impl] = []
+        full[impl] = trainer_run(impl, output_dir=os.path.join(base, f"{impl}-{tag}"), eval_steps=2,
+                                 on_trained=_eval_losses(evals[impl]), **run)
+    assert len(evals["torch"]) == CKPT_STEPS // 2, evals["torch"]
+    assert evals["native"] == evals["torch"], f"evaluation losses: {evals['native']} vs {evals['torch']}"
+    assert_same("losses", full["native"][0], full["torch"][0])
+    assert_same("parameters", full["native"][1], full["torch"][1])
+    done = 2 * cfg.get("ga", 1)  # micro-batches before the checkpoint
+    for impl, saver in (("native", "native"), ("native", "torch"), ("torch", "native")):
+        ckpt = os.path.join(base, f"{saver}-{tag}", "checkpoint-2")
+        got = trainer_run(impl, output_dir=os.path.join(base, f"{impl}-from-{saver}-{tag}"), resume=ckpt, **run)
+        what = f"{impl} resumed from {saver}'s checkpoint-2"
+        assert_same(f"{what}: losses", got[0], full["torch"][0][done:])
+        assert_same(f"{what}: parameters", got[1], full["torch"][1])
+
+
+def _offload_matches_torch_without(**cfg):
+    """fsdp_config cpu_offload=True. Accelerate passes CPUOffloadPolicy() (pin_memory=True),
+    which torch FSDP2 pins, and pinning needs an accelerator: on a CPU-only machine torch
+    fails ("Cannot access accelerator device when none is available"). fsdp_native pins only
+    on a CUDA mesh, so it trains, and the offload moves no number: equal to torch FSDP2 without
+    offload, bit for bit."""
+    ref = trainer_run("torch", cpu_offload=False, **cfg)
+    got = trainer_run("native", cpu_offload=True, **cfg)
+    assert_same("losses", got[0], ref[0])
+    assert_same("parameters", got[1], ref[1])
+
+
+def _checkpoint_grid():
+    set_launcher_env()
+    run_grid([dict(bf16=True, ga=2), dict(state_dict_type="FULL_STATE_DICT")], _resume, name="resume")
+    run_grid([dict(bf16=True)], _offload_matches_torch_without, name="cpu_offload")
+
+
+def test_trainer_checkpoints_resume_and_cpu_offload_ws2():
+    run_distributed(_checkpoint_grid, 2, timeout=400)
