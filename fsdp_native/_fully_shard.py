@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_native import _compat, _extension, _tp
+from fsdp_native import _compat, _extension, _pipelining, _tp
 from fsdp_native._api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -140,6 +140,7 @@ def fully_shard(
         # is built from them.
         m.register_load_state_dict_pre_hook(lambda mod, *args, unit=unit: unit.reshard())
         m.register_load_state_dict_post_hook(lambda mod, incompatible, unit=unit: unit.readopt())
+        _pipelining.register(m, unit)  # torch.distributed.pipelining's stages, before torch 2.15
         cls = type(m)
         if not isinstance(m, FSDPModule):
             new_cls = _CLS_CACHE.get(cls)

@@ -133,6 +133,25 @@ class RootContext:
         self.manual_active = None
         self.pending_finalize = None
 
+    def finish_unit(self, u: Unit) -> None:
+        """A finalization's work for one unit: the post-backward the last backward left, or the
+        reduction of what backwards without sync accumulated, or the reshard after backward."""
+        if u.needs_post_backward:  # reached by the last backward but not done (the root, often)
+            u.post_backward()
+        elif u.requires_gradient_sync and (u.has_unreduced_grads() or self._unreached(u)):
+            u.post_backward(force=True)  # gradients accumulated by backwards without sync
+        elif u.reshard_after_backward:
+            u.reshard()
+
+    def finish_all(self) -> None:
+        """Every unit's :meth:`finish_unit`, then every reduction completes (a pipeline stage's
+        gradient reduction before torch 2.15: ``fsdp_native._pipelining``)."""
+        if self.in_backward:
+            raise RuntimeError("fsdp_native: gradients can be reduced only after backward completes")
+        for u in self._order():
+            self.finish_unit(u)
+        self._complete()
+
     def finalize(self, async_op: bool) -> GradientReductionHandle | None:
         """FSDPModule.finalize_backward: what the backwards left (manual finalization)."""
         if self.pending_finalize is not None:
@@ -155,12 +174,7 @@ class RootContext:
                 "set_requires_all_reduce(True) before finalizing, or use automatic finalization"
             )
         for u in self._order():
-            if u.needs_post_backward:  # reached by the last backward but not done (the root, often)
-                u.post_backward()
-            elif u.requires_gradient_sync and (u.has_unreduced_grads() or self._unreached(u)):
-                u.post_backward(force=True)  # gradients accumulated by backwards without sync
-            elif u.reshard_after_backward:
-                u.reshard()
+            self.finish_unit(u)
         handle = GradientReductionHandle(self)
         if async_op:
             self.pending_finalize = handle
