@@ -7,6 +7,8 @@ TRANSFORMERS_VERSION ?= 5.24.0
 ACCELERATE_VERSION ?= 1.15.0
 # PEFT: LoRA fine-tuning through the Trainer (tests/test_hf_peft.py).
 PEFT_VERSION ?= 0.21.2
+# Lightning Fabric's ModelParallelStrategy (tests/test_lightning.py).
+LIGHTNING_VERSION ?= 2.6.0
 # torchao: NF4 / Float8 tensor subclasses for the all-gather extension tests (tests/test_extension.py).
 TORCHAO_VERSION ?= 0.18.0
 export OMP_NUM_THREADS ?= 1
@@ -19,7 +21,7 @@ export OMP_NUM_THREADS ?= 1
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q ninja pybind11 pytest pytest-benchmark pytest-timeout hypothesis expecttest numpy tqdm matplotlib
 	$(PIP) install -q torch==$(TORCH_VERSION) transformers==$(TRANSFORMERS_VERSION) accelerate==$(ACCELERATE_VERSION) \
-		peft==$(PEFT_VERSION)
+		peft==$(PEFT_VERSION) lightning==$(LIGHTNING_VERSION)
 	$(PIP) install -q --no-deps torchao==$(TORCHAO_VERSION)
 	# Triton for kernels/ (tested on CPU with TRITON_INTERPRET=1); a CUDA torch brings its own.
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "triton==3.6.*"

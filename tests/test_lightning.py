@@ -1,0 +1,144 @@
+"""Lightning Fabric's ``ModelParallelStrategy`` (Lightning's FSDP2 path: the user's
+``parallelize_fn`` calls ``fully_shard`` on the strategy's ``data_parallel`` mesh) with
+fsdp_native's ``fully_shard`` in place of torch's, the one-import change, on 2 CPU ranks:
+``fabric.no_backward_sync`` for gradient accumulation (it calls
+``set_requires_gradient_sync(..., recurse=False)`` on every FSDP module),
+``fabric.clip_gradients``, and ``fabric.save`` / ``fabric.load`` of the model, optimizer and
+step (DCP through ``get_model_state_dict`` / ``get_optimizer_state_dict``). The losses and
+parameters are torch FSDP2's bit for bit, and a run resumed from the step-2 checkpoint ends
+where the uninterrupted one did, whichever library saved and whichever loaded.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+from dist_utils import ctx, full_params, run_distributed, run_grid
+from test_hf_common import assert_same, set_launcher_env
+
+# The version the test was written and run against (the Makefile installs it).
+LIGHTNING_VERSION = "2.6.0"
+
+DIM, STEPS, ACCUM, SAVE_AT = 16, 4, 2, 2
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 2 * DIM)
+        self.fc2 = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.head = nn.Linear(DIM, 5)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _fabric_env():
+    """What torchrun sets, so that Fabric joins the existing process group as a torchelastic run."""
+    set_launcher_env()
+    os.environ.update(GROUP_RANK="0", TORCHELASTIC_RUN_ID="fsdp-native-test")
+
+
+def _run(lib: str, policy: bool, precision: str, save_dir: str | None = None, resume: str | None = None):
+    """STEPS optimizer steps of ACCUM micro-batches; ``save_dir``: fabric.save after step
+    SAVE_AT; ``resume``: fabric.load first. Returns (micro-batch losses, full parameters)."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    if lib == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from fsdp_native import MixedPrecisionPolicy, fully_shard
+
+    def parallelize(model, mesh):
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if policy else MixedPrecisionPolicy()
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh["data_parallel"], mp_policy=mp)
+        fully_shard(model, mesh=mesh["data_parallel"], mp_policy=mp)
+        return model
+
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(Net())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    if resume:
+        fabric.load(resume, state)
+    gen = torch.Generator().manual_seed(7 + fabric.global_rank)
+    data = [(torch.randn(4, DIM, generator=gen), torch.randn(4, 5, generator=gen)) for _ in range(STEPS * ACCUM)]
+    losses = []
+    for step in range(state["step"], STEPS):
+        for m in range(ACCUM):
+            x, y = data[step * ACCUM + m]
+            with fabric.no_backward_sync(model, enabled=m < ACCUM - 1):
+                loss = (model(x).float() - y).pow(2).mean()
+                fabric.backward(loss)
+            losses.append(loss.detach().clone())
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step + 1
+        if save_dir and state["step"] == SAVE_AT:
+            fabric.save(save_dir, state)
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_native import FSDPModule as NativeFSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    native = [isinstance(m, NativeFSDPModule) for m in units]
+    assert native == [lib == "native"] * 4, f"{lib}: FSDP units {native} (True: fsdp_native's), expected 4 of {lib}'s"
+    return losses, full_params(model)
+
+
+def _parity(policy: bool, precision: str):
+    base = os.path.join(ctx().tmpdir, f"lightning-{policy}-{precision}")
+    full = {lib: _run(lib, policy, precision, save_dir=os.path.join(base, lib)) for lib in ("torch", "native")}
+    assert len(full["torch"][0]) == STEPS * ACCUM
+    assert_same("losses", full["native"][0], full["torch"][0])
+    assert_same("parameters", full["native"][1], full["torch"][1])
+    done = SAVE_AT * ACCUM
+    for lib, saver in (("native", "native"), ("native", "torch"), ("torch", "native")):
+        got = _run(lib, policy, precision, resume=os.path.join(base, saver))
+        what = f"{lib} resumed from {saver}'s step-{SAVE_AT} checkpoint"
+        assert_same(f"{what}: losses", got[0], full["torch"][0][done:])
+        assert_same(f"{what}: parameters", got[1], full["torch"][1])
+
+
+def _grid():
+    _fabric_env()
+    run_grid(
+        [
+            dict(policy=False, precision="32-true"),
+            dict(policy=True, precision="32-true"),  # bf16 compute, fp32 reduction (MixedPrecisionPolicy)
+            dict(policy=False, precision="bf16-mixed"),  # Fabric's autocast
+        ],
+        _parity,
+        name="fabric",
+    )
+
+
+def test_installed_lightning_is_the_tested_one():
+    from importlib.metadata import version
+
+    assert version("lightning") == LIGHTNING_VERSION, (
+        f"lightning {version('lightning')} installed; tests/test_lightning.py is pinned to {LIGHTNING_VERSION} (Makefile)"
+    )
+
+
+def test_fabric_model_parallel_strategy_ws2():
+    run_distributed(_grid, 2, timeout=300)
