@@ -1,4 +1,6 @@
-"""Lightning Fabric's ``ModelParallelStrategy`` (Lightning's FSDP2 path: the user's
+"""Lightning's FSDP2 path, ``ModelParallelStrategy``, in Fabric and in the Trainer.
+
+Fabric's ``ModelParallelStrategy`` (the user's
 ``parallelize_fn`` calls ``fully_shard`` on the strategy's ``data_parallel`` mesh) with
 fsdp_native's ``fully_shard`` in place of torch's, the one-import change, on 2 CPU ranks:
 ``fabric.no_backward_sync`` for gradient accumulation (it calls
@@ -7,6 +9,11 @@ fsdp_native's ``fully_shard`` in place of torch's, the one-import change, on 2 C
 step (DCP through ``get_model_state_dict`` / ``get_optimizer_state_dict``). The losses and
 parameters are torch FSDP2's bit for bit, and a run resumed from the step-2 checkpoint ends
 where the uninterrupted one did, whichever library saved and whichever loaded.
+
+The Trainer's (``lightning.pytorch``): a ``LightningModule`` whose ``configure_model`` calls
+``fully_shard`` on ``self.device_mesh["data_parallel"]``, trained by ``Trainer.fit`` with
+``accumulate_grad_batches``, ``gradient_clip_val``, a ``ModelCheckpoint`` at each epoch's end
+and ``fit(ckpt_path=...)`` resuming from epoch 0's: the same comparisons.
 """
 from __future__ import annotations
 
@@ -130,6 +137,94 @@ def _grid():
         _parity,
         name="fabric",
     )
+
+
+def _trainer_run(lib: str, policy: bool, precision: str, ckpt_dir: str | None = None, resume: str | None = None):
+    """Two epochs of two optimizer steps (ACCUM micro-batches each); ``ckpt_dir``: a
+    checkpoint at each epoch's end; ``resume``: ``fit(ckpt_path=resume)``."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if lib == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from fsdp_native import MixedPrecisionPolicy, fully_shard
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = Net()
+            self.losses = []
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if policy else MixedPrecisionPolicy()
+            for b in self.model.blocks:
+                fully_shard(b, mesh=mesh, mp_policy=mp)
+            fully_shard(self.model, mesh=mesh, mp_policy=mp)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = (self.model(x).float() - y).pow(2).mean()
+            self.losses.append(loss.detach().clone())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    gen = torch.Generator().manual_seed(3)
+    n = 2 * 4 * ACCUM * 2  # ranks x batch x accumulation x steps: one epoch
+    data = torch.utils.data.TensorDataset(torch.randn(n, DIM, generator=gen), torch.randn(n, 5, generator=gen))
+    callbacks = []
+    if ckpt_dir:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_epochs=2,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=1.0,
+        precision=precision,
+        callbacks=callbacks,
+        enable_checkpointing=bool(ckpt_dir),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=ctx().tmpdir,
+    )
+    module = Module()
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=resume)
+    assert trainer.global_step == 4, trainer.global_step
+    return module.losses, full_params(module.model)
+
+
+def _trainer_parity(policy: bool, precision: str):
+    base = os.path.join(ctx().tmpdir, f"lightning-trainer-{policy}-{precision}")
+    full = {lib: _trainer_run(lib, policy, precision, ckpt_dir=os.path.join(base, lib)) for lib in ("torch", "native")}
+    assert len(full["torch"][0]) == 4 * ACCUM
+    assert_same("losses", full["native"][0], full["torch"][0])
+    assert_same("parameters", full["native"][1], full["torch"][1])
+    for lib, saver in (("native", "native"), ("native", "torch"), ("torch", "native")):
+        ckpt = os.path.join(base, saver, "epoch=0-step=2.ckpt")
+        got = _trainer_run(lib, policy, precision, resume=ckpt)
+        what = f"{lib} resumed from {saver}'s epoch-0 checkpoint"
+        assert_same(f"{what}: losses", got[0], full["torch"][0][2 * ACCUM :])
+        assert_same(f"{what}: parameters", got[1], full["torch"][1])
+
+
+def _trainer_grid():
+    _fabric_env()
+    run_grid(
+        [dict(policy=False, precision="32-true"), dict(policy=True, precision="32-true"), dict(policy=False, precision="bf16-mixed")],
+        _trainer_parity,
+        name="trainer",
+    )
+
+
+def test_lightning_trainer_model_parallel_strategy_ws2():
+    run_distributed(_trainer_grid, 2, timeout=300)
 
 
 def test_installed_lightning_is_the_tested_one():
