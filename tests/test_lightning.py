@@ -8,7 +8,8 @@ fsdp_native's ``fully_shard`` in place of torch's, the one-import change, on 2 C
 ``fabric.clip_gradients``, and ``fabric.save`` / ``fabric.load`` of the model, optimizer and
 step (DCP through ``get_model_state_dict`` / ``get_optimizer_state_dict``). The losses and
 parameters are torch FSDP2's bit for bit, and a run resumed from the step-2 checkpoint ends
-where the uninterrupted one did, whichever library saved and whichever loaded.
+where the uninterrupted one did, whichever library saved and whichever loaded. Also Fabric's
+2-D case, FSDP with tensor parallelism, on 4 ranks.
 
 The Trainer's (``lightning.pytorch``): a ``LightningModule`` whose ``configure_model`` calls
 ``fully_shard`` on ``self.device_mesh["data_parallel"]``, trained by ``Trainer.fit`` with
@@ -137,6 +138,64 @@ def _grid():
         _parity,
         name="fabric",
     )
+
+
+def _tp_run(lib: str, policy: bool):
+    """Fabric's 2-D case on 4 ranks: each block's fc1 column-wise and fc2 row-wise over
+    ``tensor_parallel``, then ``fully_shard`` over ``data_parallel``. No gradient clipping:
+    the head's parameters are on the data-parallel mesh alone, the blocks' on both, and
+    ``clip_grad_norm_`` cannot stack norms from two meshes (torch FSDP2 fails the same way)."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if lib == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from fsdp_native import MixedPrecisionPolicy, fully_shard
+
+    def parallelize(model, mesh):
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if policy else MixedPrecisionPolicy()
+        for b in model.blocks:
+            parallelize_module(b, mesh["tensor_parallel"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            fully_shard(b, mesh=mesh["data_parallel"], mp_policy=mp)
+        fully_shard(model, mesh=mesh["data_parallel"], mp_policy=mp)
+        return model
+
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(Net())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    # Both ranks of a tensor-parallel group take the same batch.
+    gen = torch.Generator().manual_seed(7 + strategy.device_mesh["data_parallel"].get_local_rank())
+    losses = []
+    for _ in range(3):
+        for m in range(ACCUM):
+            x, y = torch.randn(4, DIM, generator=gen), torch.randn(4, 5, generator=gen)
+            with fabric.no_backward_sync(model, enabled=m < ACCUM - 1):
+                loss = (model(x).float() - y).pow(2).mean()
+                fabric.backward(loss)
+            losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _tp_parity(policy: bool):
+    ref, got = _tp_run("torch", policy), _tp_run("native", policy)
+    assert_same("losses", got[0], ref[0])
+    assert_same("parameters", got[1], ref[1])
+
+
+def _tp_grid():
+    _fabric_env()
+    run_grid([dict(policy=False), dict(policy=True)], _tp_parity, name="fabric fsdp+tp")
+
+
+def test_fabric_fsdp_and_tensor_parallel_ws4():
+    run_distributed(_tp_grid, 4, timeout=300)
 
 
 def _trainer_run(lib: str, policy: bool, precision: str, ckpt_dir: str | None = None, resume: str | None = None):
