@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from dist_utils import ctx, full_params, run_distributed, run_grid
+from models import ResidualMLP
 from test_hf_common import assert_same, set_launcher_env
 
 # The version the test was written and run against (the Makefile installs it).
@@ -32,20 +33,10 @@ LIGHTNING_VERSION = "2.6.0"
 DIM, STEPS, ACCUM, SAVE_AT = 16, 4, 2, 2
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(DIM, 2 * DIM)
-        self.fc2 = nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.blocks = nn.ModuleList([ResidualMLP(DIM, 2 * DIM) for _ in range(3)])
         self.head = nn.Linear(DIM, 5)
 
     def forward(self, x):

@@ -18,18 +18,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dist_utils import assert_same_run, full_params, load_impl, ref_impl, run_distributed, run_grid
+from models import ResidualMLP
 
 DIM, STEPS, MICRO = 8, 2, 4
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(DIM, 2 * DIM)
-        self.fc2 = nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
 
 
 class Chunk(nn.Module):
@@ -39,7 +30,7 @@ class Chunk(nn.Module):
     def __init__(self, first: bool, last: bool):
         super().__init__()
         self.inp = nn.Linear(4, DIM) if first else None
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.blocks = nn.ModuleList([ResidualMLP(DIM, 2 * DIM) for _ in range(2)])
         self.out = nn.Linear(DIM, 3) if last else None
 
     def forward(self, x):
