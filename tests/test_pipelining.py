@@ -9,7 +9,8 @@ Before torch 2.15 a stage reduces the gradients through torch FSDP2's internal s
 modules; torch 2.15's stages use ``set_manual_backward_finalization`` / ``finalize_backward``.
 The losses (last stage) and parameters are torch FSDP2's bit for bit, fp32 and bf16 with fp32
 reduction, and match the same pipeline without FSDP (gradients averaged over dp by hand)
-within 1e-6 in fp32.
+within 1e-6 in fp32. With fsdp_native's fp8 all-gather for the blocks, they equal torch FSDP2's
+run with the reference's quantized values put in place after each all-gather.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_utils import assert_same_run, full_params, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_same_run, full_params, load_impl, ref_impl, run_distributed, run_grid, torch_quantized_values
 from models import ResidualMLP
 
 DIM, STEPS, MICRO = 8, 2, 4
@@ -45,9 +46,11 @@ def _loss(out, target):
     return (out.float() - target).pow(2).mean()
 
 
-def _train(impl_name: str | None, schedule: str, bf16: bool) -> dict:
+def _train(impl_name: str | None, schedule: str, bf16: bool, quant: str | None = None) -> dict:
     """``impl_name`` None: the same pipeline without FSDP, gradients all-reduced (averaged)
-    over dp before each optimizer step."""
+    over dp before each optimizer step. ``quant``: fsdp_native's quantized all-gather of that
+    format for the blocks' weights; torch FSDP2 then gets the reference's quantized values put
+    in place after its all-gathers (``dist_utils.torch_quantized_values``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -65,6 +68,7 @@ def _train(impl_name: str | None, schedule: str, bf16: bool) -> dict:
     chunks = [Chunk(i == 0, i == n_stages - 1) for i in range(n_stages)]
     mine = [pp, pp + 2] if looped else [pp]
     stages = []
+    refresh = None
     for i in mine:
         m = chunks[i]
         if impl_name is not None:
@@ -73,7 +77,10 @@ def _train(impl_name: str | None, schedule: str, bf16: bool) -> dict:
             if bf16:
                 kw["mp_policy"] = impl.mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for b in m.blocks:
-                impl.fully_shard(b, **kw)
+                if quant and impl.name == "fsdp_native":
+                    impl.fully_shard(b, all_gather=impl.module.QuantizedAllGather(quant, min_numel=1), **kw)
+                else:
+                    impl.fully_shard(b, **kw)
             impl.fully_shard(m, **kw)
         stages.append(PipelineStage(m, i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
     cls = {
@@ -82,6 +89,9 @@ def _train(impl_name: str | None, schedule: str, bf16: bool) -> dict:
         "interleaved": ScheduleInterleaved1F1B,
         "zero_bubble": ScheduleInterleavedZeroBubble,
     }[schedule]
+    if quant and impl_name == "torch":
+        blocks = [b for i in mine for b in chunks[i].blocks]
+        refresh = torch_quantized_values(blocks, quant, dp.size(), lambda p: p.ndim >= 2)
     sched = cls(stages if looped else stages[0], MICRO, loss_fn=_loss)
     params = [p for i in mine for p in chunks[i].parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
@@ -90,6 +100,8 @@ def _train(impl_name: str | None, schedule: str, bf16: bool) -> dict:
     for _ in range(STEPS):
         x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 3, generator=gen)
         opt.zero_grad()
+        if refresh is not None:
+            assert refresh() == 2 * len(mine) * 2  # fc1 and fc2 of two blocks per chunk
         if pp == 0:
             sched.step(x)
         else:
@@ -107,11 +119,11 @@ def _train(impl_name: str | None, schedule: str, bf16: bool) -> dict:
     return dict(losses=torch.stack(losses) if losses else torch.zeros(0), params=out)
 
 
-def _parity(schedule: str, bf16: bool):
-    ref = _train(ref_impl().name, schedule, bf16)
-    got = _train(load_impl().name, schedule, bf16)
+def _parity(schedule: str, bf16: bool, quant: str | None = None):
+    ref = _train(ref_impl().name, schedule, bf16, quant)
+    got = _train(load_impl().name, schedule, bf16, quant)
     assert_same_run(f"{schedule} against torch FSDP2", got, ref)
-    if not bf16:
+    if not bf16 and not quant:
         plain = _train(None, schedule, bf16)
         assert_same_run(f"{schedule} against the pipeline without FSDP", got, plain, dict(rtol=1e-6, atol=1e-6))
 
@@ -123,6 +135,7 @@ def _grid():
             dict(schedule="1f1b", bf16=True),
             dict(schedule="interleaved", bf16=False),
             dict(schedule="zero_bubble", bf16=True),
+            dict(schedule="1f1b", bf16=False, quant="fp8_rowwise"),  # fsdp_native's quantized all-gather
         ],
         _parity,
         name="pipelining",
