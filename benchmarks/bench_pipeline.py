@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
@@ -58,28 +56,22 @@ def _rank(rank: int, world_size: int, port: int, steps: int, dim: int, blocks: i
         return sched, torch.optim.AdamW(chunk.parameters(), lr=1e-3)
 
     runs = {"torch": make(torch_fully_shard), "fsdp_native": make(fsdp_native.fully_shard)}
-    times: dict[str, list[float]] = {name: [] for name in runs}
     losses: dict[str, list[float]] = {name: [] for name in runs}
     gen = torch.Generator().manual_seed(mesh.get_local_rank("dp"))
     x, y = torch.randn(2 * micro, seq, dim, generator=gen), torch.randn(2 * micro, seq, 8, generator=gen)
-    for step in range(steps + 2):  # 2 warmup steps
-        for name in (("torch", "fsdp_native") if step % 2 else ("fsdp_native", "torch")):
-            sched, opt = runs[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            if pp == 0:
-                sched.step(x)
-            else:
-                out: list = []
-                sched.step(target=y, losses=out)
-                losses[name] += [v.item() for v in out]
-            opt.step()
-            opt.zero_grad()
-            t = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if step >= 2:
-                times[name].append(t.item() * 1e3)
-    out = {name: (statistics.median(v), min(v), max(v)) for name, v in times.items()}
+
+    def step(run):
+        name, sched, opt = run
+        if pp == 0:
+            sched.step(x)
+        else:
+            out: list = []
+            sched.step(target=y, losses=out)
+            losses[name] += [v.item() for v in out]
+        opt.step()
+        opt.zero_grad()
+
+    out = H.alternate_steps({name: (name, *run) for name, run in runs.items()}, step, steps, warmup=2)
     flags = torch.tensor([float(losses["torch"] == losses["fsdp_native"])])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     out["same_losses"] = bool(flags.item())
@@ -97,10 +89,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     res = H.run_ranks(_rank, args.steps, args.dim, args.blocks, args.seq, args.schedule, args.micro, world_size=4)
     print(f"torch {torch.__version__}, schedule {args.schedule}, {args.micro} micro-batches")
-    for name in ("torch", "fsdp_native"):
-        med, lo, hi = res[name]
-        print(f"{name:11s} median {med:7.1f} ms  (range {lo:.1f}-{hi:.1f})")
-    print(f"fsdp_native / torch: {res['fsdp_native'][0] / res['torch'][0]:.2f}; losses bit for bit equal: {res['same_losses']}")
+    H.print_against_torch(res)
 
 
 if __name__ == "__main__":

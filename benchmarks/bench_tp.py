@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,24 +49,18 @@ def _rank(rank: int, world_size: int, port: int, steps: int, dim: int, blocks: i
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     runs = {"torch": make(torch_fully_shard), "fsdp_native": make(fsdp_native.fully_shard)}
-    times: dict[str, list[float]] = {name: [] for name in runs}
     losses: dict[str, list[float]] = {name: [] for name in runs}
     x = torch.randn(4, seq, dim, generator=torch.Generator().manual_seed(mesh.get_local_rank("dp")))
-    for step in range(steps + 2):  # 2 warmup steps
-        for name in (("torch", "fsdp_native") if step % 2 else ("fsdp_native", "torch")):
-            model, opt = runs[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            losses[name].append(loss.item())
-            if step >= 2:
-                times[name].append(t.item() * 1e3)
-    out = {name: (statistics.median(v), min(v), max(v)) for name, v in times.items()}
+
+    def step(run):
+        name, model, opt = run
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses[name].append(loss.item())
+
+    out = H.alternate_steps({name: (name, *run) for name, run in runs.items()}, step, steps, warmup=2)
     out["same_losses"] = losses["torch"] == losses["fsdp_native"]
     return out
 
@@ -82,10 +73,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args(argv)
     res = H.run_ranks(_rank, args.steps, args.dim, args.blocks, args.seq, world_size=4)
-    for name in ("torch", "fsdp_native"):
-        med, lo, hi = res[name]
-        print(f"{name:11s} median {med:7.1f} ms  (range {lo:.1f}-{hi:.1f})")
-    print(f"fsdp_native / torch: {res['fsdp_native'][0] / res['torch'][0]:.2f}; losses bit for bit equal: {res['same_losses']}")
+    H.print_against_torch(res)
 
 
 if __name__ == "__main__":

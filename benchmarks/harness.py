@@ -232,6 +232,32 @@ def max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def alternate_steps(runs: dict, step: Callable[[Any], None], steps: int, warmup: int) -> dict:
+    """Inside the ranks: ``step(runs[name])`` for every name in turn, the order reversed each
+    step, each timed behind a barrier as the slowest rank's wall time. Returns, per name, the
+    (median, min, max) ms of the steps after ``warmup``."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(warmup + steps):
+        for name in names[::-1] if i % 2 == 0 else names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(runs[name])
+            t = max_over_ranks([time.perf_counter() - t0])[0]
+            if i >= warmup:
+                times[name].append(t * 1e3)
+    return {name: (statistics.median(v), min(v), max(v)) for name, v in times.items()}
+
+
+def print_against_torch(res: dict) -> None:
+    """The lines of an alternating torch / fsdp_native comparison: each median with its range,
+    then the ratio and ``res["same_losses"]``."""
+    for name in ("torch", "fsdp_native"):
+        med, lo, hi = res[name]
+        print(f"{name:11s} median {med:7.1f} ms  (range {lo:.1f}-{hi:.1f})")
+    print(f"fsdp_native / torch: {res['fsdp_native'][0] / res['torch'][0]:.2f}; losses bit for bit equal: {res['same_losses']}")
+
+
 def _rank_entry(rank: int, world_size: int, port: int, fn, args, queue, all_ranks: bool) -> None:
     try:
         result = fn(rank, world_size, port, *args)
