@@ -56,17 +56,10 @@ class PipelineStateView:
     def __init__(self, unit) -> None:
         self._unit = unit
 
-    def _units(self) -> list:
-        from fsdp_native._fully_shard import _units_below
-
-        ctx = self._unit.ctx
-        if ctx is not None:
-            return list(ctx.units)
-        return _units_below(self._unit.modules[0])
-
     @property
     def _state_ctx(self) -> _StateCtxView:
-        return _StateCtxView(self._units())
+        ctx = self._unit.ctx  # None before the first forward: no units to reduce yet
+        return _StateCtxView(ctx.units if ctx is not None else [])
 
     def _root_post_backward_final_callback(self) -> None:
         ctx = self._unit.ctx
