@@ -752,6 +752,24 @@ class Unit:
                 self.streams.wait_work(work)
             self._account(-self._ag_nbytes(out))
 
+    def reset_iter(self) -> None:
+        """reset_iter_state: back to a resharded unit between iterations, without the failed
+        iteration's gradients (the caller has dropped the reductions in flight)."""
+        self.release_pending()
+        self.pending_rs = None
+        self._pending_grads = None
+        self.partial_reduce = None
+        self._accumulated = None
+        self.needs_post_backward = self.recompute_hooked = self.backward_reached = False
+        self.in_forward = False
+        self.modules_to_run = set()
+        self._t_compute = None
+        for p in (*self.unsharded_params, *self.sharded_params):
+            p.grad = None
+        self.restore_grad_dtypes()
+        self.reshard()
+        self._pf_shard = self._pf_shard_in_flight = self._pf_keep = None
+
     # -------------------------------------------------------------- gradients
     def new_grads(self) -> tuple[torch.Tensor, list[DTensor]]:
         """A fresh flat sharded-gradient buffer and the DTensor gradients viewing it (the
@@ -808,7 +826,10 @@ class Unit:
             self._t_compute = None
         if self.pending_rs is not None:
             self.finish_reduce()
-        if not (self.is_unsharded or force):
+        # A unit not unsharded now may still have gradients: set_unshard_in_backward(False)
+        # (an embedding's backward needs no weights, so autograd wrote the unsharded
+        # parameters' gradients without an all-gather).
+        if not (self.is_unsharded or force or self.has_unreduced_grads()):
             return
         ups = self.unsharded_params
         if self.reshard_after_backward:
