@@ -477,22 +477,18 @@ class FSDPModule(_TorchFSDPModule):
         self._unit.unshard_in_backward = unshard_in_backward
 
     def reset_iter_state(self) -> None:
-        """Recovers after a forward or backward raised: drops in-flight collectives' results."""
-        for u in _units_below(self):
-            u.release_pending()
-            u.pending_rs = None
-            u.needs_post_backward = False
-            u.in_forward = False
-            u.modules_to_run = set()
-            u.reshard()
+        """Recovers after a forward or backward raised, as torch FSDP2 2.15: on the root
+        module, waits on in-flight collectives, reshards every unit and discards the failed
+        iteration's gradients (sharded ones, no-sync accumulations, HSDP partial sums), so
+        the next iteration starts clean."""
         ctx = self._unit.ctx
-        if ctx is not None:
-            ctx.in_backward = False
-            ctx.callback_queued = False
-            ctx.manual_active = None
-            ctx.pending_finalize = None
-            for u in ctx.units:
-                u.backward_reached = False
+        if ctx is None:  # no forward ran yet (or it raised before the root's lazy init)
+            for u in _units_below(self):
+                u.reset_iter()
+            return
+        if ctx.root._fsdp_native_unit is not self._unit:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        ctx.reset_iter_state()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         unit = self._unit

@@ -141,6 +141,18 @@ class Bucket:
             per_unit = {e.unit.fqn: e.total * ws * dtype.itemsize for e in self.entries}
             rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit, via="all_reduce" if by_all_reduce else "reduce_scatter")
 
+    def discard(self) -> None:
+        """Waits on the collective and drops its result (reset_iter_state)."""
+        if self.work is not None:
+            st = self.entries[0].unit.streams
+            with st.use(st.reduce_scatter):
+                st.wait_work(self.work)
+            self.work = None
+            st.wait(self.out, st.compute, st.reduce_scatter)  # the buffers are freed after the collective
+        self.entries = []
+        self.out = None
+        self.rs_in = None
+
     def finish(self) -> None:
         st = self.entries[0].unit.streams
         if self.work is not None:
@@ -224,3 +236,10 @@ class Reducer:
         self.flush()
         while self.inflight:
             self.inflight.popleft().finish()
+
+    def discard(self) -> None:
+        """reset_iter_state: the open bucket is dropped unissued (every rank failed at the same
+        point, so none issued it); the ones in flight complete and their results are dropped."""
+        self.open = None
+        while self.inflight:
+            self.inflight.popleft().discard()

@@ -143,6 +143,21 @@ class RootContext:
         elif u.reshard_after_backward:
             u.reshard()
 
+    def reset_iter_state(self) -> None:
+        """FSDPModule.reset_iter_state: after a forward or backward raised, the in-flight
+        collectives complete with their results dropped, every unit reshards and loses the
+        iteration's gradients, and no backward or finalization is under way any more."""
+        handle, self.pending_finalize = self.pending_finalize, None
+        if handle is not None:
+            handle._ctx, handle._invalid = None, True
+        self.reducer.discard()
+        for u in self.units:
+            u.reset_iter()
+        self.in_backward = False
+        self.callback_queued = False
+        self.manual_active = None
+        self.forward_order = []
+
     def finish_all(self) -> None:
         """Every unit's :meth:`finish_unit`, then every reduction completes (a pipeline stage's
         gradient reduction before torch 2.15: ``fsdp_native._pipelining``)."""
@@ -186,12 +201,15 @@ class RootContext:
 class GradientReductionHandle:
     """Handle of ``FSDPModule.finalize_backward(async_op=True)``: the reductions are issued;
     ``wait()`` completes them and reshards, before the gradients are used (the next forward
-    waits for it if nobody did)."""
+    waits for it if nobody did). ``reset_iter_state`` invalidates it."""
 
     def __init__(self, ctx: RootContext | None) -> None:
         self._ctx = ctx
+        self._invalid = False
 
     def wait(self) -> None:
+        if self._invalid:
+            raise RuntimeError("This gradient reduction handle was invalidated")
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx._complete()
