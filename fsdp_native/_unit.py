@@ -583,7 +583,12 @@ class Unit:
         the codec sizes and fills the input, the unit allocates and accounts the output and
         issues the collective."""
         codec = self.codec
-        if self.is_unsharded or self.pending_ag is not None or codec.chunk == 0:
+        if self.is_unsharded or self.pending_ag is not None:
+            return
+        if codec.chunk == 0:
+            # Only zero-size parameters: nothing to send, but the wait still registers them
+            # unsharded (empty plain tensors), as torch FSDP2 does.
+            self.pending_ag = PendingAllGather(None, torch.empty(0, dtype=codec.dtype, device=self.device))
             return
         if self.sharded_flat.is_meta:
             mod, name = self.owners[0][0] if self.owners else (self.modules[0], "?")

@@ -11,7 +11,8 @@ ranks), tied embedding/head, block 0 shared (run twice per forward and registere
 `alias`), a zero-size parameter (without a gradient: torch FSDP2 fails on a zero-size one),
 frozen parameters; for each block whether it is a unit, a unit
 with its `fc1` nested as another unit, or `fully_shard([fc1, fc2])` without the block; the
-head a unit, part of `fully_shard([norm, head])`, or in the root; reshard_after_forward per
+head a unit, part of `fully_shard([norm, head])`, or in the root; the embedding (untied) in
+the root, a unit, or a unit with `set_unshard_in_backward(False)`; reshard_after_forward per
 unit (True, False, None; at world size 4 over a 1-D mesh also the ints 1, 2, 4); mixed
 precision (none, bf16 with fp32 reduction, bf16 throughout; an fp32 head unit, an fp32 root
 output); CPU offload; activation checkpointing; explicit prefetch; 1 or 2 micro-batches
@@ -107,6 +108,10 @@ class Spec:
     # keeping its unsharded storage (set_keep_unsharded_storage).
     finalize: str | None = None
     keep_storage: bool = False
+    # The embedding (not tied): in the root unit, a unit of its own, or one that is not
+    # all-gathered in backward (set_unshard_in_backward(False): its backward needs no weight).
+    emb: str = "root"  # "root" | "unit" | "no_bwd_unshard"
+    emb_reshard: bool | None = None
     steps: int = 2
 
 
@@ -193,6 +198,8 @@ def build(impl, spec: Spec, mesh) -> Net:
         kw["shard_placement_fn"] = shard_fn(spec, mesh.size(mesh.ndim - 1))
     if spec.offload:
         kw["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=False)
+    if spec.emb != "root":
+        fs(model.emb, reshard_after_forward=spec.emb_reshard, **kw)
     for block, b in zip(model.blocks, spec.blocks):
         if b.placement == "nested":
             fs(block.fc1, reshard_after_forward=b.reshard, **kw)
@@ -212,6 +219,8 @@ def build(impl, spec: Spec, mesh) -> Net:
     if spec.out_fp32:
         root_kw["mp_policy"] = impl.MixedPrecisionPolicy(**mp_kw, output_dtype=torch.float32)
     fs(model, reshard_after_forward=spec.root_reshard, **root_kw)
+    if spec.emb == "no_bwd_unshard":
+        model.emb.set_unshard_in_backward(False)
     if spec.convert == "bf16":  # torch FSDP2 takes the dtypes it finds at its first forward
         model.to(torch.bfloat16)
     elif spec.convert == "roundtrip":
@@ -308,6 +317,7 @@ def specs(draw, world_size: int = 2) -> Spec:
     mp = draw(st.sampled_from(["fp32", "bf16", "bf16_all"]))
     accum = draw(st.integers(1, 2))
     head = "root" if tied else draw(st.sampled_from(["root", "unit", "list"]))
+    emb = "root" if tied else draw(st.sampled_from(["root", "unit", "no_bwd_unshard"]))
     spec = Spec(
         width=width,
         vocab=draw(st.integers(1, 6)),
@@ -332,6 +342,8 @@ def specs(draw, world_size: int = 2) -> Spec:
         ac=draw(st.booleans()),
         prefetch=draw(st.booleans()),
         keep_unsharded_in_accum=accum > 1 and draw(st.booleans()),
+        emb=emb,
+        emb_reshard=draw(st.sampled_from([True, False, None])) if emb != "root" else None,
     )
     names = param_names(spec)
     frozen = draw(st.lists(st.sampled_from(names), max_size=3, unique=True)) if draw(st.booleans()) else []
@@ -564,3 +576,44 @@ def _odd_quant() -> None:
 @pytest.mark.skipif(not QUANT, reason="fsdp_native's own quantized all-gather")
 def test_quantized_unit_with_odd_sizes_against_torch():
     run_distributed(_odd_quant, 2, timeout=180)
+
+
+# Found on 2026-11-28 when the embedding became a unit of its own in the fuzzing:
+# (1) a unit whose parameters are all zero-size (the root holding only a frozen (0, width)
+# parameter, its embedding, blocks and head in units of their own) was never unsharded: no
+# all-gather was needed, so its parameters stayed registered as DTensors and the forward
+# raised "got mixed torch.Tensor and DTensor" where torch FSDP2 registers them as empty plain
+# tensors; (2) an embedding unit with set_unshard_in_backward(False) and resharded after
+# forward got no gradient (the post-backward skipped a unit that was not unsharded).
+# Both fixed; these examples guard them, fp32 and bf16, at world size 2 and as HSDP 2x2.
+
+ZERO_ROOT = Spec(
+    width=1,
+    vocab=1,
+    blocks=(BlockSpec(hidden=1, norm=False, placement="unit", reshard=True),),
+    tied=False,
+    shared=False,
+    zero_param="frozen",
+    frozen=(),
+    head="list",
+    head_reshard=True,
+    root_reshard=True,
+    mp="fp32",
+    accum=1,
+    emb="unit",
+    emb_reshard=True,
+)
+
+
+def _zero_root_and_embedding(mesh: str) -> None:
+    specs = [
+        dataclasses.replace(ZERO_ROOT, mesh=mesh, mp=mp, emb=emb, accum=accum)
+        for mp in ("fp32", "bf16")
+        for emb, accum in (("unit", 1), ("no_bwd_unshard", 1), ("no_bwd_unshard", 2))
+    ]
+    run_grid([dict(spec=s) for s in specs], compare, name="fuzz regression")
+
+
+def test_zero_size_root_unit_and_embedding_without_backward_unshard():
+    run_distributed(_zero_root_and_embedding, 2, "1d", timeout=180)
+    run_distributed(_zero_root_and_embedding, 4, "hsdp", timeout=180)
