@@ -2,7 +2,7 @@
 
 ``ShardedDTensor`` is a :class:`~torch.distributed.tensor.DTensor` (``isinstance`` holds, the
 spec, placements, ``to_local``, ``full_tensor``, ``redistribute`` and every op behave as
-DTensor's) with two differences:
+DTensor's) with these differences:
 
 * **Elementwise fast path.** An optimizer step is a dozen elementwise ops per parameter, and
   DTensor's dispatch of an op with a Python-number argument (``p.mul_(beta)``, ``d / c``,
@@ -13,6 +13,10 @@ DTensor's) with two differences:
   0-dim tensors, sharding propagation is the identity: the op runs on the local tensors and
   the result keeps that spec. fsdp_native's specs are Shard/Replicate only, never Partial.
   Anything else is handed to DTensor.
+* **torch.compile sees a ShardedDTensor**: its traced inputs are rebuilt as ShardedDTensors
+  (``__tensor_unflatten__``), and AOT autograd's cache key names the type
+  (``_stable_hash_for_caching``), so functions compiled over plain DTensors are not reused for
+  it (a compiled optimizer step, torchao's low-bit optimizers).
 * **Pickles as a plain DTensor** whose wrapper has storage offset 0. The local tensors view
   one flat buffer per unit, and a wrapper carrying the view's storage offset cannot be saved
   by ``torch.save``; loading needs no fsdp_native (``weights_only=True`` works).
@@ -27,6 +31,8 @@ results are the same on every version. Calls that never reach Python (C++-intern
 DTensor's own dispatch there and return plain DTensors, as every op did before.
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -120,6 +126,24 @@ class ShardedDTensor(DTensor):
 
     def __reduce_ex__(self, protocol):
         return _wrap(DTensor, self._local_tensor, self._spec, self.requires_grad).__reduce_ex__(protocol)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
+        # DTensor's rebuilds a plain DTensor. torch.compile rebuilds its subclass inputs with
+        # this to trace them, and its compiled function then requires inputs of the rebuilt
+        # type: a compiled optimizer step (torch.compile(opt.step), torchao's low-bit
+        # optimizers) raised "expected DTensor, got ShardedDTensor" on sharded parameters.
+        d = DTensor.__tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride)
+        return _wrap(ShardedDTensor, d._local_tensor, d._spec, d.requires_grad)
+
+    if hasattr(DTensor, "_stable_hash_for_caching"):  # torch >= 2.13: AOT autograd's cache key
+
+        def _stable_hash_for_caching(self) -> str:
+            # DTensor's key (spec, requires_grad, device) names no type, so a function compiled
+            # for plain DTensor inputs (torch FSDP2's parameters, in this process or on disk)
+            # was reused for ShardedDTensor ones, and its check of the input types raised.
+            key = "fsdp_native.ShardedDTensor" + DTensor._stable_hash_for_caching(self)
+            return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
 class _RouteToShardedDispatch(TorchDispatchMode):
