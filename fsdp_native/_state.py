@@ -12,6 +12,22 @@ from fsdp_native._streams import Streams
 from fsdp_native._unit import Accounting, Unit
 
 
+def _eager(fn):
+    """`fn` run with dynamo off: the backward's hooks and callbacks (pre-backward, post-backward,
+    end of backward), like the forward hooks (``_fully_shard._eager_hooks``). A compiled
+    function that calls ``loss.backward()`` breaks its graph there, and dynamo would otherwise
+    trace the frames the backward runs (torch 2.11 did, and failed in the reduction)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def _run_post_backward(unit: Unit) -> None:
+    unit.post_backward()
+
+
+# Made at the first lazy init (fully_shard has imported torch._dynamo by then).
+_eager_pre_backward = _eager_post_backward = None
+
+
 class RootContext:
     """Shared by every unit under one root module for the duration of training."""
 
@@ -20,6 +36,10 @@ class RootContext:
         self.units = units
         self.acct = Accounting()
         self.reducer = Reducer()
+        global _eager_pre_backward, _eager_post_backward
+        if _eager_pre_backward is None:
+            _eager_pre_backward, _eager_post_backward = _eager(pre_backward), _eager(_run_post_backward)
+        self._eager_end_backward = _eager(self.end_backward)
         self.in_backward = False
         self.callback_queued = False
         self.manual_active: bool | None = None  # the mode of the backward iteration under way
@@ -41,7 +61,7 @@ class RootContext:
             u.ctx = self
             if streams is not None:
                 u.streams = streams
-            u.pre_backward_hook = lambda grad, u=u: pre_backward(u)
+            u.pre_backward_hook = lambda grad, u=u: _eager_pre_backward(u)
             u.total_acct = self.acct
             self.acct.current += u.acct.current
         self.acct.peak = max(self.acct.current, max((u.acct.peak for u in units), default=0))
@@ -80,7 +100,7 @@ class RootContext:
             self.manual_active = self.manual
         if not self.callback_queued:
             self.callback_queued = True
-            Variable._execution_engine.queue_callback(self.end_backward)
+            Variable._execution_engine.queue_callback(self._eager_end_backward)
 
     def end_backward(self) -> None:
         """Runs once autograd finished: post-backward for units autograd did not reach through
@@ -225,7 +245,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.unit.post_backward()
+        _eager_post_backward(ctx.unit)
         return (None, *grads)
 
 

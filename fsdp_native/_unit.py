@@ -683,9 +683,15 @@ class Unit:
         if out is not None:
             st.wait(out, st.compute, st.all_gather)
         self._pf_shard_in_flight = None
-        allocated = self._alloc_unsharded()
+        self._ensure_unsharded_params()
         t0 = _trace.now_us() if rec is not None else 0.0
-        allocated += self.codec.copy_out(self, out)
+        # The unsharded parameters are reallocated and refilled in place without a version
+        # bump (as torch FSDP2 does): autograd may have saved them in forward, and the
+        # backward's all-gather refills them. Eager ops here bump nothing, but in a compiled
+        # graph's backward (ADInplaceOrView among the thread's dispatch keys) they do.
+        with torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
+            allocated = self._alloc_unsharded()
+            allocated += self.codec.copy_out(self, out)
         if rec is not None:
             rec.span("all_gather_copy_out", "copy", self.fqn, t0, _trace.now_us())
         in_backward = self.ctx is not None and self.ctx.in_backward
