@@ -60,7 +60,8 @@ class Block(nn.Module):
 
 def _model(impl, cfg: dict) -> nn.Module:
     torch.manual_seed(0)
-    model = shard_stack(impl, BlockStack(Block, 6, 3), hsdp=cfg.get("hsdp", False), mp=cfg.get("mp", False))
+    kw = {"reshard_after_forward": cfg["raf"]} if "raf" in cfg else {}
+    model = shard_stack(impl, BlockStack(Block, 6, 3), hsdp=cfg.get("hsdp", False), mp=cfg.get("mp", False), **kw)
     if cfg.get("max_inputs"):
         model.set_reduce_scatter_max_input_buffers(cfg["max_inputs"])
     return model
@@ -159,6 +160,7 @@ def _grid():
         dict(accum=3, mp=True),
         dict(accum=3, hsdp=True, partial=True),
         dict(max_inputs=3),
+        dict(raf=2, accum=2),  # resharded to pairs of ranks after forward: the backward's shards dropped
     ]
     run_grid(configs, lambda **cfg: check(**cfg), name="reset-iter-state")
     run_grid([{}], check_handle_and_errors, name="reset-iter-state-handle")
