@@ -776,7 +776,8 @@ class Unit:
         self.modules_to_run = set()
         self._t_compute = None
         for p in (*self.unsharded_params, *self.sharded_params):
-            p.grad = None
+            if p is not None:  # a subclass parameter's unsharded one exists from its first unshard
+                p.grad = None
         self.restore_grad_dtypes()
         self.reshard()
         self._pf_shard = self._pf_shard_in_flight = self._pf_keep = None
