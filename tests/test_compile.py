@@ -37,10 +37,9 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.torch_version import TorchVersion
 
-from dist_utils import assert_close, full_params, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_same_run, full_params, load_impl, ref_impl, run_distributed, run_grid
 from models import EVEN, Transformer
 
-EXACT = dict(rtol=0, atol=0)
 ARGS = EVEN.__class__(n_layers=3, vocab_size=64, max_seq_len=16, dim=32, n_heads=4)
 
 
@@ -80,9 +79,7 @@ def _check(order: str, mixed_precision: bool, reshard_after_forward: bool) -> No
     ref = _run(torch_impl, order, mixed_precision, reshard_after_forward)
     got = _run(impl, order, mixed_precision, reshard_after_forward)
     tag = f"[{impl.name} vs torch, compile {order}]"
-    assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
-    for n, v in ref["params"].items():
-        assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
+    assert_same_run(tag, got, ref)
 
 
 def _grid():
@@ -126,9 +123,7 @@ def _check_compiled_step(mixed_precision: bool) -> None:
     ref = _run_compiled_step(torch_impl, mixed_precision)  # first: its compiled code is cached
     got = _run_compiled_step(impl, mixed_precision)
     tag = f"[{impl.name} vs torch, compiled optimizer step]"
-    assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
-    for n, v in ref["params"].items():
-        assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
+    assert_same_run(tag, got, ref)
 
 
 def _compiled_step_grid():
@@ -181,9 +176,7 @@ def _check_compiled_train_step(mixed_precision: bool, reshard_after_forward: boo
         ref = _run_compiled_train_step(impl, mixed_precision, False)
         against = "itself without resharding after forward (torch 2.11 fails this flow)"
     tag = f"[{impl.name} vs {against}, compiled train step, bf16 {mixed_precision}, reshard {reshard_after_forward}]"
-    assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
-    for n, v in ref["params"].items():
-        assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
+    assert_same_run(tag, got, ref)
 
 
 def _compiled_train_step_grid():
