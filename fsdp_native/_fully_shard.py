@@ -22,7 +22,7 @@ from fsdp_native._api import (
     resolve_param_dtypes,
 )
 from fsdp_native._mesh import default_mesh, mesh_info, post_forward_group
-from fsdp_native._state import GradientReductionHandle, post_forward, pre_forward
+from fsdp_native._state import GradientReductionHandle, _eager, post_forward, pre_forward
 from fsdp_native._unit import Unit
 
 _CLS_CACHE: dict[type, type] = {}
@@ -182,7 +182,7 @@ def _eager_hooks():
     ``skip_fsdp_hooks``: they issue collectives and change module state, which dynamo must not
     trace. Made at the first fully_shard, which imports torch._dynamo (as torch's first hook
     does), so that importing fsdp_native does not."""
-    return torch.compiler.disable(_pre_hook, recursive=True), torch.compiler.disable(_post_hook, recursive=True)
+    return _eager(_pre_hook), _eager(_post_hook)
 
 
 def _check_all_gather(policy) -> None:

@@ -141,30 +141,33 @@ class Bucket:
             per_unit = {e.unit.fqn: e.total * ws * dtype.itemsize for e in self.entries}
             rec.collective("reduce_scatter", "reduce_scatter", names, self.work, t0, rs_in.numel() * rs_in.element_size(), per_unit=per_unit, via="all_reduce" if by_all_reduce else "reduce_scatter")
 
-    def discard(self) -> None:
-        """Waits on the collective and drops its result (reset_iter_state)."""
-        if self.work is not None:
-            st = self.entries[0].unit.streams
-            with st.use(st.reduce_scatter):
-                st.wait_work(self.work)
-            self.work = None
-            st.wait(self.out, st.compute, st.reduce_scatter)  # the buffers are freed after the collective
+    def _wait(self, st) -> None:
+        """Waits on the collective (traced as a stall); compute then follows it."""
+        rec = _trace.active
+        t0 = _trace.now_us() if rec is not None else 0.0
+        with st.use(st.reduce_scatter):
+            st.wait_work(self.work)
+        if rec is not None:
+            rec.waited(self.work)
+            rec.span("wait_reduce_scatter", "stall", "+".join(e.unit.fqn or "root" for e in self.entries), t0, _trace.now_us())
+        self.work = None
+        st.wait(self.out, st.compute, st.reduce_scatter)
+
+    def _clear(self) -> None:
         self.entries = []
         self.out = None
         self.rs_in = None
 
+    def discard(self) -> None:
+        """Waits on the collective and drops its result (reset_iter_state)."""
+        if self.work is not None:
+            self._wait(self.entries[0].unit.streams)  # the buffers are freed after the collective
+        self._clear()
+
     def finish(self) -> None:
         st = self.entries[0].unit.streams
         if self.work is not None:
-            rec = _trace.active
-            t0 = _trace.now_us() if rec is not None else 0.0
-            with st.use(st.reduce_scatter):
-                st.wait_work(self.work)
-            if rec is not None:
-                rec.waited(self.work)
-                rec.span("wait_reduce_scatter", "stall", "+".join(e.unit.fqn or "root" for e in self.entries), t0, _trace.now_us())
-            self.work = None
-            st.wait(self.out, st.compute, st.reduce_scatter)
+            self._wait(st)
         offset = 0
         for e in self.entries:
             e.unit.pending_rs = None
@@ -173,9 +176,7 @@ class Bucket:
             e.unit.take_reduced(out, e.has_grad)
             offset += n
         st.wait(self.out, st.reduce_scatter, st.compute)  # release the buffers after their last use
-        self.entries = []
-        self.out = None
-        self.rs_in = None
+        self._clear()
 
 
 def _strided_copy_in(rows: torch.Tensor, strided: list) -> None:

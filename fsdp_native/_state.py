@@ -1,6 +1,8 @@
 """Hooks and the per-root context: lazy init, prefetch order, end-of-backward work."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
@@ -24,8 +26,11 @@ def _run_post_backward(unit: Unit) -> None:
     unit.post_backward()
 
 
-# Made at the first lazy init (fully_shard has imported torch._dynamo by then).
-_eager_pre_backward = _eager_post_backward = None
+@functools.cache
+def _eager_backward_hooks():
+    """(pre-backward, post-backward) run eagerly; made at the first lazy init, when
+    fully_shard has imported torch._dynamo."""
+    return _eager(pre_backward), _eager(_run_post_backward)
 
 
 class RootContext:
@@ -36,9 +41,6 @@ class RootContext:
         self.units = units
         self.acct = Accounting()
         self.reducer = Reducer()
-        global _eager_pre_backward, _eager_post_backward
-        if _eager_pre_backward is None:
-            _eager_pre_backward, _eager_post_backward = _eager(pre_backward), _eager(_run_post_backward)
         self._eager_end_backward = _eager(self.end_backward)
         self.in_backward = False
         self.callback_queued = False
@@ -61,7 +63,7 @@ class RootContext:
             u.ctx = self
             if streams is not None:
                 u.streams = streams
-            u.pre_backward_hook = lambda grad, u=u: _eager_pre_backward(u)
+            u.pre_backward_hook = lambda grad, u=u, pre=_eager_backward_hooks()[0]: pre(u)
             u.total_acct = self.acct
             self.acct.current += u.acct.current
         self.acct.peak = max(self.acct.current, max((u.acct.peak for u in units), default=0))
@@ -245,7 +247,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        _eager_post_backward(ctx.unit)
+        _eager_backward_hooks()[1](ctx.unit)
         return (None, *grads)
 
 

@@ -588,7 +588,7 @@ class Unit:
         if codec.chunk == 0:
             # Only zero-size parameters: nothing to send, but the wait still registers them
             # unsharded (empty plain tensors), as torch FSDP2 does.
-            self.pending_ag = PendingAllGather(None, torch.empty(0, dtype=codec.dtype, device=self.device))
+            self.pending_ag = PendingAllGather(None, _empty(codec.dtype, self.device))
             return
         if self.sharded_flat.is_meta:
             mod, name = self.owners[0][0] if self.owners else (self.modules[0], "?")

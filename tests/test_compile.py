@@ -43,7 +43,9 @@ from models import EVEN, Transformer
 ARGS = EVEN.__class__(n_layers=3, vocab_size=64, max_seq_len=16, dim=32, n_heads=4)
 
 
-def _run(impl, order: str, mixed_precision: bool, reshard_after_forward: bool) -> dict:
+def _sharded(impl, mixed_precision: bool, reshard_after_forward: bool, order: str | None = None):
+    """The Transformer, each layer a unit and the root, bf16 or not; `order` says whether each
+    layer is compiled before (``blocks_first``) or after (``blocks_after``) its fully_shard."""
     torch.manual_seed(0)
     model = Transformer(ARGS)
     kw = dict(reshard_after_forward=reshard_after_forward)
@@ -56,6 +58,11 @@ def _run(impl, order: str, mixed_precision: bool, reshard_after_forward: bool) -
         if order == "blocks_after":
             layer.compile()
     impl.fully_shard(model, **kw)
+    return model
+
+
+def _run(impl, order: str, mixed_precision: bool, reshard_after_forward: bool) -> dict:
+    model = _sharded(impl, mixed_precision, reshard_after_forward, order)
     run = torch.compile(model) if order == "model_after" else model
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
@@ -135,14 +142,7 @@ def test_compiled_optimizer_step_world_size_2():
 
 
 def _run_compiled_train_step(impl, mixed_precision: bool, reshard_after_forward: bool) -> dict:
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
-    kw = dict(reshard_after_forward=reshard_after_forward)
-    if mixed_precision:
-        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        impl.fully_shard(layer, **kw)
-    impl.fully_shard(model, **kw)
+    model = _sharded(impl, mixed_precision, reshard_after_forward)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     @torch.compile
