@@ -130,12 +130,18 @@ def normalize_mp_policy(policy) -> MixedPrecisionPolicy:
 def resolve_param_dtypes(mp: MixedPrecisionPolicy, params: list, names: list[str]) -> list:
     """Each parameter's unsharded dtype request: ``mp.param_dtype``, or what
     ``mp.param_dtype_override_fn`` returns for it (None, ``param_dtype`` or the parameter's own
-    dtype, as torch 2.15 allows)."""
+    dtype, as torch 2.15 allows). A parameter that is not floating-point (an integer one, such
+    as frozen quantized weights, or a complex one) keeps its dtype, as from torch 2.12 on
+    (torch 2.11 casts it to ``param_dtype``, which drops a complex one's imaginary part)."""
     fn = mp.param_dtype_override_fn
-    if fn is None:
-        return [mp.param_dtype] * len(params)
     out = []
     for p, name in zip(params, names):
+        if not p.dtype.is_floating_point:
+            out.append(None)
+            continue
+        if fn is None:
+            out.append(mp.param_dtype)
+            continue
         got = fn(p)
         if got is not None and not isinstance(got, torch.dtype):
             raise ValueError(

@@ -203,8 +203,12 @@ class Unit:
         # The reduce dtype the policy fixes (None: that of the gradients, checked when they are
         # reduced). reduce_dtype=None follows the installed torch (_compat.REDUCE_IN_ORIG_DTYPE).
         self.policy_reduce_dtype = mp.reduce_dtype
-        if mp.reduce_dtype is None and (_compat.REDUCE_IN_ORIG_DTYPE or mp.param_dtype_override_fn is not None):
-            trainable = {d for d, rg in zip(layout.orig_dtypes, layout.requires_grad) if rg}
+        trainable = {d for d, rg in zip(layout.orig_dtypes, layout.requires_grad) if rg}
+        if trainable and not any(d.is_floating_point for d in trainable):
+            # The policy's dtypes are for floating-point parameters: complex gradients are
+            # reduced in their own dtype (a real reduce dtype would drop their imaginary part).
+            self.policy_reduce_dtype = trainable.pop() if len(trainable) == 1 else None
+        elif mp.reduce_dtype is None and (_compat.REDUCE_IN_ORIG_DTYPE or mp.param_dtype_override_fn is not None):
             if len(trainable) == 1:
                 self.policy_reduce_dtype = trainable.pop()
         # One gradient dtype per unit, as torch FSDP2 requires: the reduce dtype, else that of
@@ -895,11 +899,15 @@ class Unit:
         )
 
     def _check_grad_dtypes(self, grads: list) -> None:
-        dtypes = sorted({str(g.dtype) for g in grads if g is not None})
-        if len(dtypes) > 1:
+        found = {g.dtype for g in grads if g is not None}
+        if len(found) > 1:
+            hint = (
+                "give the complex parameters units of their own" if any(d.is_complex for d in found)
+                else "set mp_policy.param_dtype (one unsharded dtype) or mp_policy.reduce_dtype"
+            )
             raise ValueError(
-                f"fsdp_native: unit '{self.fqn}' has gradients of dtypes {dtypes}, expected one dtype per unit (as torch "
-                "FSDP2); set mp_policy.param_dtype (one unsharded dtype) or mp_policy.reduce_dtype"
+                f"fsdp_native: unit '{self.fqn}' has gradients of dtypes {sorted(map(str, found))}, expected one dtype "
+                f"per unit (as torch FSDP2); {hint}"
             )
         dtype = next(g.dtype for g in grads if g is not None)
         if dtype != self.reduce_dtype:

@@ -6,7 +6,9 @@ A unit's parameters are sharded on dim 0 over ``world_size`` ranks. Parameter ``
 its padded shards; an all-gather output (reduce-scatter input) is ``world_size`` such chunks.
 Rank ``r`` holds the elements ``[r * padded_i, min((r + 1) * padded_i, numel_i))`` of
 parameter ``i``. Casts between float32, bfloat16 and float16 are fused into the copies;
-mixed dtypes within a unit go through byte views (``tensor.view(torch.uint8)``).
+mixed dtypes within a unit go through byte views (``tensor.view(torch.uint8)``). Casts from
+or to other floating dtypes (float64 parameters under a mixed precision policy, say), which
+the native kernels leave out, run as torch copies with the same results (:func:`_composite`).
 """
 from collections.abc import Sequence
 
@@ -40,7 +42,11 @@ def all_gather_copy_in(shards: Sequence[torch.Tensor], padded_numels: Sequence[i
     ``out.dtype``, at offset ``sum(padded_numels[:i])``; the rest of its padded slot is zeroed.
     ``out`` is contiguous with ``sum(padded_numels)`` elements.
     """
-    torch.ops.fsdp_native.all_gather_copy_in(list(shards), list(padded_numels), out)
+    args = (list(shards), list(padded_numels), out)
+    try:
+        torch.ops.fsdp_native.all_gather_copy_in(*args)
+    except RuntimeError as e:
+        _composite(e, _all_gather_copy_in_torch, args, shards, (out,))
 
 
 def all_gather_copy_out(
@@ -48,7 +54,11 @@ def all_gather_copy_out(
 ) -> None:
     """Unpacks an all-gather output (``world_size`` chunks of ``sum(padded_numels)``) into
     each parameter's unsharded tensor ``outs[i]`` (cast to its dtype), dropping padding."""
-    torch.ops.fsdp_native.all_gather_copy_out(all_gather_output, list(padded_numels), world_size, list(outs))
+    args = (all_gather_output, list(padded_numels), world_size, list(outs))
+    try:
+        torch.ops.fsdp_native.all_gather_copy_out(*args)
+    except RuntimeError as e:
+        _composite(e, _all_gather_copy_out_torch, args, (all_gather_output,), outs)
 
 
 def reduce_scatter_copy_in(
@@ -56,7 +66,11 @@ def reduce_scatter_copy_in(
 ) -> None:
     """Packs unsharded gradients into the reduce-scatter input ``out`` (``world_size`` chunks,
     chunk ``r`` holding every gradient's rank-``r`` slice, zero padded), cast to ``out.dtype``."""
-    torch.ops.fsdp_native.reduce_scatter_copy_in(list(grads), list(padded_numels), world_size, out)
+    args = (list(grads), list(padded_numels), world_size, out)
+    try:
+        torch.ops.fsdp_native.reduce_scatter_copy_in(*args)
+    except RuntimeError as e:
+        _composite(e, _reduce_scatter_copy_in_torch, args, grads, (out,))
 
 
 def reduce_scatter_copy_out(
@@ -69,9 +83,11 @@ def reduce_scatter_copy_out(
 ) -> None:
     """Writes (or with ``accumulate`` adds) this rank's reduced flat ``shard``, divided by
     ``divide_factor``, into each sharded gradient ``grads[i]`` in its own dtype."""
-    torch.ops.fsdp_native.reduce_scatter_copy_out(
-        shard, list(padded_numels), float(divide_factor), bool(accumulate), list(grads)
-    )
+    args = (shard, list(padded_numels), float(divide_factor), bool(accumulate), list(grads))
+    try:
+        torch.ops.fsdp_native.reduce_scatter_copy_out(*args)
+    except RuntimeError as e:
+        _composite(e, _reduce_scatter_copy_out_torch, args, (shard,), grads)
 
 
 def stream_wait(anchor: torch.Tensor, waiter: "torch.Stream | None", signaler: "torch.Stream | None") -> None:
@@ -87,6 +103,56 @@ def stream_wait(anchor: torch.Tensor, waiter: "torch.Stream | None", signaler: "
     waiter_id = waiter.stream_id if waiter is not None else 0
     signaler_id = signaler.stream_id if signaler is not None else 0
     torch.ops.fsdp_native.stream_wait(anchor, waiter_id, signaler_id)
+
+
+# --------------------------------------------------------------------------- other float dtypes
+def _composite(error: RuntimeError, fn, args, sources, targets) -> None:
+    """The native op raised `error`. When it refused a dtype pair of which both sides are
+    floating-point, runs ``fn(*args)`` instead: the same op on torch casts of its arguments to
+    dtypes the native kernels take, so that the native op still checks every argument before
+    anything is written. Any other refusal is raised as it is."""
+    if ": unsupported dtype pair for '" not in str(error) or not all(
+        t.dtype.is_floating_point for t in (*sources, *targets)
+    ):
+        raise error
+    fn(*args)
+
+
+def _all_gather_copy_in_torch(shards, padded_numels, out) -> None:
+    torch.ops.fsdp_native.all_gather_copy_in([s.to(out.dtype) for s in shards], padded_numels, out)
+
+
+def _all_gather_copy_out_torch(all_gather_output, padded_numels, world_size, outs) -> None:
+    dtype = all_gather_output.dtype
+    staged = [o if o.dtype == dtype else torch.empty_like(o, dtype=dtype) for o in outs]
+    torch.ops.fsdp_native.all_gather_copy_out(all_gather_output, padded_numels, world_size, staged)
+    for o, t in zip(outs, staged):
+        if t is not o:
+            o.copy_(t)
+
+
+def _reduce_scatter_copy_in_torch(grads, padded_numels, world_size, out) -> None:
+    torch.ops.fsdp_native.reduce_scatter_copy_in([g.to(out.dtype) for g in grads], padded_numels, world_size, out)
+
+
+def _reduce_scatter_copy_out_torch(shard, padded_numels, divide_factor, accumulate, grads) -> None:
+    # The arithmetic runs in float32, as the native kernels', or in float64 where a side is.
+    wide = torch.float64 in (shard.dtype, *(g.dtype for g in grads))
+    opmath = torch.float64 if wide else torch.float32
+    staged = [torch.empty_like(g, dtype=opmath) for g in grads]
+    if wide:  # the native kernels divide in float32 only: check the factor as they do
+        if not divide_factor > 0.0:
+            raise RuntimeError(
+                f"fsdp_native::reduce_scatter_copy_out: argument 'divide_factor' is {divide_factor:g}, expected a positive number"
+            )
+        torch.ops.fsdp_native.reduce_scatter_copy_out(shard.to(opmath), padded_numels, 1.0, False, staged)
+        if divide_factor != 1.0:
+            for t in staged:
+                t.mul_(1.0 / divide_factor)
+    else:
+        torch.ops.fsdp_native.reduce_scatter_copy_out(shard.to(opmath), padded_numels, divide_factor, False, staged)
+    for g, t in zip(grads, staged):
+        g.copy_(g.to(opmath) + t if accumulate else t)
 
 
 def _check_count(name: str, seq, padded_numels) -> None:

@@ -30,7 +30,7 @@ WORLD_SIZES = range(1, 9)
 # Awkward shapes: 0-dim, one element, zero-size, dim 0 < world size, numel not divisible.
 EDGE_SHAPES = [(), (1,), (0,), (0, 4), (4, 0), (3, 5), (7,), (2, 3, 4), (13, 1), (9, 2), (17,)]
 
-_INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _pid(dtype):
@@ -589,23 +589,103 @@ def test_mismatched_devices():
         ops.reduce_scatter_copy_out(torch.empty(4), [4], [meta], divide_factor=2.0)
 
 
+_CAST_TEXT = "expected equal dtypes, or a cast among torch.float32, torch.bfloat16, torch.float16 (view other dtypes as torch.uint8 to pack them together)"
+
+
 def test_bad_dtype_pair():
-    cast = "expected equal dtypes, or a cast among torch.float32, torch.bfloat16, torch.float16 (view other dtypes as torch.uint8 to pack them together)"
+    cast = _CAST_TEXT
     with raises(f"{AG_IN}: unsupported dtype pair for 'shards[0]': torch.int32 -> torch.float32; {cast}"):
         ops.all_gather_copy_in([torch.ones(4, dtype=torch.int32)], [4], torch.empty(4))
     with raises(f"{AG_IN}: unsupported dtype pair for 'shards[1]': torch.float32 -> torch.uint8; {cast}"):
         ops.all_gather_copy_in([torch.ones(4, dtype=torch.uint8), torch.ones(4)], [4, 4], torch.empty(8, dtype=torch.uint8))
-    with raises(f"{AG_OUT}: unsupported dtype pair for 'outs[0]': torch.bfloat16 -> torch.float64; {cast}"):
-        ops.all_gather_copy_out(torch.empty(8, dtype=bf16), [4], 2, [torch.empty(8, dtype=torch.float64)])
+    with raises(f"{AG_OUT}: unsupported dtype pair for 'outs[0]': torch.bfloat16 -> torch.int16; {cast}"):
+        ops.all_gather_copy_out(torch.empty(8, dtype=bf16), [4], 2, [torch.empty(8, dtype=torch.int16)])
     with raises(f"{RS_IN}: unsupported dtype pair for 'grads[0]': torch.uint8 -> torch.int8; {cast}"):
         ops.reduce_scatter_copy_in([torch.ones(8, dtype=torch.uint8)], [4], 2, torch.empty(8, dtype=torch.int8))
     arith = "divide_factor != 1 or accumulate=True expects floating dtypes among torch.float32, torch.bfloat16, torch.float16"
     with raises(f"{RS_OUT}: unsupported dtype pair for 'grads[0]': torch.uint8 -> torch.uint8; {arith}"):
         ops.reduce_scatter_copy_out(torch.empty(4, dtype=torch.uint8), [4], [torch.empty(4, dtype=torch.uint8)], divide_factor=2.0)
-    with raises(f"{RS_OUT}: unsupported dtype pair for 'grads[0]': torch.float64 -> torch.float64; {arith}"):
-        ops.reduce_scatter_copy_out(torch.empty(4, dtype=torch.float64), [4], [torch.empty(4, dtype=torch.float64)], accumulate=True)
+    with raises(f"{RS_OUT}: unsupported dtype pair for 'grads[0]': torch.int32 -> torch.int32; {arith}"):
+        ops.reduce_scatter_copy_out(torch.empty(4, dtype=torch.int32), [4], [torch.empty(4, dtype=torch.int32)], accumulate=True)
     # Same non-float dtype without arithmetic is a plain copy: allowed.
-    ops.reduce_scatter_copy_out(torch.ones(4, dtype=torch.float64), [4], [torch.empty(4, dtype=torch.float64)])
+    ops.reduce_scatter_copy_out(torch.ones(4, dtype=torch.int32), [4], [torch.empty(4, dtype=torch.int32)])
+    # The native op refuses other floating dtypes; the wrappers pack them with torch copies
+    # (test_other_float_dtypes).
+    with raises(f"{RS_OUT}: unsupported dtype pair for 'grads[0]': torch.float64 -> torch.float64; {arith}"):
+        torch.ops.fsdp_native.reduce_scatter_copy_out(torch.empty(4, dtype=torch.float64), [4], 1.0, True, [torch.empty(4, dtype=torch.float64)])
+
+
+# float64 parameters under a bf16 or fp32 policy, float8 ones: what torch FSDP2 casts with
+# torch copies, the ops do too, as the native kernels would (float64 arithmetic where a side is
+# float64). Compared with the references bit for bit (values without NaNs: their payloads
+# through float64 arithmetic are not the point).
+OTHER_PAIRS = [(torch.float64, f32), (torch.float64, bf16), (f32, torch.float64), (bf16, torch.float64),
+               (torch.float64, torch.float64), (torch.float8_e4m3fn, bf16), (f32, torch.float8_e4m3fn)]
+
+
+def _other_values(shape, dtype, gen):
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 4
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("pair", OTHER_PAIRS, ids=pair_id)
+def test_other_float_dtypes(pair):
+    src, dst = pair
+    world_size = 3
+    gen = torch.Generator().manual_seed(5)
+    padded = padded_of(EDGE_SHAPES, world_size)
+    params = [_other_values(s, src, gen) for s in EDGE_SHAPES]
+    # all-gather copy-in on every rank, then copy-out: the parameters, cast
+    ag = torch.empty(world_size * sum(padded), dtype=dst)
+    for rank in range(world_size):
+        shards = [shard_of(p, world_size, rank) for p in params]
+        out = ag.narrow(0, rank * sum(padded), sum(padded)).fill_(7)
+        ops.all_gather_copy_in(shards, padded, out)
+        assert_bitwise(out, ref_copy_in(shards, padded, dst))
+    outs = [torch.full(s, 7, dtype=src) for s in EDGE_SHAPES]
+    ops.all_gather_copy_out(ag, padded, world_size, outs)
+    for o, r in zip(outs, ref_copy_out(ag, padded, world_size, outs)):
+        assert_bitwise(o, r)
+    # reduce-scatter copy-in
+    rs = torch.full((world_size * sum(padded),), 7, dtype=dst)
+    ops.reduce_scatter_copy_in(params, padded, world_size, rs)
+    assert_bitwise(rs, ref_rs_copy_in(params, padded, world_size, dst))
+    # reduce-scatter copy-out of dst (the reduce dtype) into src gradients: copy, divide, accumulate
+    shapes = [shard_of(torch.empty(s), world_size, 0).shape for s in EDGE_SHAPES]
+    shard = _other_values((sum(padded),), dst, gen)
+    opmath = torch.float64 if torch.float64 in pair else f32
+    for divide_factor, accumulate in [(1.0, False), (4.0, False), (1.0, True), (3.0, True)]:
+        grads = [_other_values(s, src, gen) for s in shapes]
+        before = [g.clone() for g in grads]
+        ops.reduce_scatter_copy_out(shard, padded, grads, divide_factor=divide_factor, accumulate=accumulate)
+        off = 0
+        for g, b, p in zip(grads, before, padded):
+            v = shard[off : off + g.numel()].reshape(g.shape).to(opmath)
+            if divide_factor != 1.0:
+                v = v * torch.tensor(1.0 / divide_factor, dtype=opmath)
+            assert_bitwise(g, (b.to(opmath) + v if accumulate else v).to(src))
+            off += p
+
+
+def test_other_float_dtypes_errors_stay():
+    """The torch fallback is for floating dtypes only: a bad size or a non-float side still
+    fails with the native op's message, and writes nothing."""
+    f64 = torch.float64
+    with raises(f"{AG_IN}: argument 'shards[0]' has 5 elements, expected at most padded_numels[0] = 4"):
+        ops.all_gather_copy_in([torch.ones(5, dtype=f64)], [4], torch.empty(4))
+    out = torch.full((8,), 7, dtype=torch.int32)
+    with raises(f"{RS_IN}: unsupported dtype pair for 'grads[0]': torch.float64 -> torch.int32; {_CAST_TEXT}"):
+        ops.reduce_scatter_copy_in([torch.ones(8, dtype=f64)], [4], 2, out)
+    assert torch.equal(out, torch.full((8,), 7, dtype=torch.int32))
+    grads = [torch.full((4,), 7.0, dtype=f64)]
+    for factor, shown in [(0.0, "0"), (-0.5, "-0.5"), (float("nan"), "nan")]:
+        with raises(f"{RS_OUT}: argument 'divide_factor' is {shown}, expected a positive number"):
+            ops.reduce_scatter_copy_out(torch.ones(4, dtype=bf16), [4], grads, divide_factor=factor, accumulate=True)
+    with raises(f"{RS_OUT}: argument 'grads[0]' has 4 elements, expected at most padded_numels[0] = 3"):
+        ops.reduce_scatter_copy_out(torch.ones(3, dtype=bf16), [3], grads, accumulate=True)
+    with raises(f"{AG_OUT}: argument 'outs[0]' must be contiguous, got a tensor with sizes [2, 4] and strides [1, 2]"):
+        ops.all_gather_copy_out(torch.empty(8), [4], 2, [torch.empty(4, 2, dtype=f64).t()])
+    assert torch.equal(grads[0], torch.full((4,), 7.0, dtype=f64))
 
 
 def test_sizes_not_dividing_as_declared():
