@@ -6,9 +6,8 @@ import functools
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fsdp_native import _agreement, _trace
+from fsdp_native import _agreement, _trace, _tree
 from fsdp_native._reduce import Reducer
 from fsdp_native._streams import Streams
 from fsdp_native._unit import Accounting, Unit
@@ -252,7 +251,7 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _cast_floats(tree, dtype: torch.dtype):
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t, tree)
+    return _tree.map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
 def _prefetch(explicit: list[Unit] | None, neighbour: Unit | None, backward: bool = False) -> None:
@@ -269,15 +268,17 @@ def _mark_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The inputs that require grad, passed through _PostBackward: the unit's post-backward
     runs once the backward has reached them."""
     if not kwargs and all(type(a) is torch.Tensor for a in args):  # block(x): no pytree walk
-        flat, spec = list(args), None
-    else:
-        flat, spec = tree_flatten((args, kwargs))
-    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if idx:
-        outs = _PostBackward.apply(unit, *[flat[i] for i in idx])
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        args, kwargs = (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
+        idx = [i for i, t in enumerate(args) if t.requires_grad]
+        if idx:
+            flat = list(args)
+            for i, t in zip(idx, _PostBackward.apply(unit, *[flat[i] for i in idx])):
+                flat[i] = t
+            args = tuple(flat)
+        return args, kwargs
+    marked = [t for t in _tree.tensors((args, kwargs)) if t.requires_grad]
+    if marked:
+        outs = iter(_PostBackward.apply(unit, *marked))
+        args, kwargs = _tree.map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
     return args, kwargs
 
 
@@ -372,8 +373,8 @@ def _complete_forward(unit: Unit, output):
 def _hook_outputs(unit: Unit, output) -> None:
     """The unit's pre-backward hook on every output that requires grad."""
     hook = unit.pre_backward_hook
-    for t in (output,) if type(output) is torch.Tensor else tree_flatten(output)[0]:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
+    for t in (output,) if type(output) is torch.Tensor else _tree.tensors(output):
+        if t.requires_grad:
             t.register_hook(hook)
 
 
