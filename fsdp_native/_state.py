@@ -250,6 +250,18 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+# As torch FSDP2 (and DDP), the root moves its forward inputs to its accelerator: a batch left
+# on the CPU works with a model sharded on CUDA.
+_INPUTS_TO_DEVICE = ("cuda", "hpu", "xpu", "mtia", torch._C._get_privateuse1_backend_name())
+
+
+def _inputs_to_device(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    from torch.distributed.utils import _to_kwargs
+
+    moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, False)
+    return moved_args[0], moved_kwargs[0]
+
+
 def _cast_floats(tree, dtype: torch.dtype):
     return _tree.map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
 
@@ -312,6 +324,8 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
             unit.modules_to_run = set(unit.modules)
         if ctx.root is module:
             ctx.begin_forward()
+            if (args or kwargs) and unit.device.type in _INPUTS_TO_DEVICE:
+                args, kwargs = _inputs_to_device(args, kwargs, unit.device)
         ctx.forward_order.append(unit)
         unit.unshard()
         _prefetch(unit.forward_prefetch, ctx.next_forward.get(unit))

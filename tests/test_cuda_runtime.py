@@ -339,3 +339,40 @@ def _shared_streams() -> list[str]:
 @cuda
 def test_share_comm_ctx_shares_streams():
     assert_no_failures(run_on_gpu(_shared_streams))
+
+
+def _inputs_to_device() -> list[str]:
+    """The root moves its forward inputs to its device, as torch FSDP2 does: a batch left on the
+    CPU (positional, keyword, nested) gives what the same batch on the GPU gives."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, *, extra):
+            return self.b(torch.relu(self.a(x))) + extra["bias"]
+
+    def body(impl_name):
+        impl = _impls()[impl_name]
+        torch.manual_seed(0)
+        m = Net().cuda()
+        mesh = init_device_mesh("cuda", (1,))
+        impl.fully_shard(m.a, mesh=mesh)
+        impl.fully_shard(m, mesh=mesh)
+        x, bias = torch.randn(2, 8), torch.randn(8)
+        out = m(x, extra={"bias": bias})
+        assert out.device.type == "cuda", out.device
+        ref = m(x.cuda(), extra={"bias": bias.cuda()})
+        assert torch.equal(out, ref), (out - ref).abs().max()
+        out.sum().backward()
+        assert m.a.weight.grad is not None
+
+    return grid_failures([dict(impl_name=n) for n in ("torch", "fsdp_native")], body)
+
+
+@cuda
+def test_root_moves_inputs_to_its_device():
+    assert_no_failures(run_on_gpu(_inputs_to_device))
