@@ -1,11 +1,13 @@
 """The tensors of a module's inputs and outputs, as FSDP2 finds them: through torch's pytree
 (lists, tuples, dicts, namedtuples and every registered node, Hugging Face's ``ModelOutput``
-among them) and also inside dataclass instances that pytree does not know, which torch FSDP2
-looks into from torch 2.12 on (its inputs' casts on every version): a block that takes and
-returns ``@dataclass`` states gets its inputs cast to ``param_dtype``, its post-backward
-registered on their tensors and its pre-backward hooked on its outputs' tensors."""
+among them) and also inside what pytree takes for a leaf but torch FSDP2 looks into (from torch
+2.12 on; its inputs' casts on every version): dataclass instances, and subclasses of dict, list
+and tuple (an ``EasyDict`` of activations, say). A block that takes and returns such states
+gets its inputs cast to ``param_dtype``, its post-backward registered on their tensors and its
+pre-backward hooked on its outputs' tensors."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable
 
@@ -13,14 +15,39 @@ import torch
 from torch.utils import _pytree as pytree
 
 
-def _open_dataclass(x: Any) -> bool:
-    """A dataclass instance that pytree takes for a leaf."""
-    return dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES
+def _children(x: Any) -> list | None:
+    """The children of a container pytree does not know, None for anything else."""
+    if type(x) in pytree.SUPPORTED_NODES or isinstance(x, (torch.Tensor, str, bytes)):
+        return None
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        # Only the fields __init__ takes: dataclasses.replace rebuilds from those.
+        return [getattr(x, f.name) for f in dataclasses.fields(x) if f.init]
+    if isinstance(x, dict):
+        return list(x.values())
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return None
 
 
-def _fields(x: Any) -> list[str]:
-    # Only the fields __init__ takes: dataclasses.replace rebuilds from those.
-    return [f.name for f in dataclasses.fields(x) if f.init]
+def _rebuild(x: Any, old: list, new: list) -> Any:
+    """`x` with its children `old` replaced by `new`, of its own type."""
+    if all(n is o for n, o in zip(new, old)):
+        return x
+    if dataclasses.is_dataclass(x):
+        names = [f.name for f in dataclasses.fields(x) if f.init]
+        return dataclasses.replace(x, **{k: n for k, n, o in zip(names, new, old) if n is not o})
+    if isinstance(x, dict):
+        out = copy.copy(x)
+        out.update(zip(x.keys(), new))
+        return out
+    if isinstance(x, list):
+        out = copy.copy(x)
+        out[:] = new
+        return out
+    try:  # a tuple subclass
+        return type(x)(new)
+    except TypeError:
+        return tuple(new)
 
 
 def tensors(tree: Any) -> list[torch.Tensor]:
@@ -29,24 +56,24 @@ def tensors(tree: Any) -> list[torch.Tensor]:
     for x in pytree.tree_flatten(tree)[0]:
         if isinstance(x, torch.Tensor):
             out.append(x)
-        elif _open_dataclass(x):
-            out.extend(tensors([getattr(x, name) for name in _fields(x)]))
+        else:
+            children = _children(x)
+            if children:
+                out.extend(tensors(children))
     return out
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
-    """`tree` with every tensor ``t`` replaced by ``fn(t)``; a dataclass is rebuilt with
-    ``dataclasses.replace`` where a field changed, as torch FSDP2 rebuilds it."""
+    """`tree` with every tensor ``t`` replaced by ``fn(t)``. A container pytree does not know is
+    rebuilt, of its own type, only where a child changed (a dataclass by ``dataclasses.replace``,
+    as torch FSDP2 rebuilds it)."""
 
     def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return fn(x)
-        if _open_dataclass(x):
-            names = _fields(x)
-            old = [getattr(x, name) for name in names]
-            new = map_tensors(fn, old)
-            changed = {n: v for n, o, v in zip(names, old, new) if v is not o}
-            return dataclasses.replace(x, **changed) if changed else x
-        return x
+        children = _children(x)
+        if not children:
+            return x
+        return _rebuild(x, children, map_tensors(fn, children))
 
     return pytree.tree_map(leaf, tree)

@@ -1,12 +1,15 @@
-"""Units whose forward takes and returns ``@dataclass`` states, e.g. a mixture-of-experts block
-that carries its router's auxiliary loss beside the hidden state. torch FSDP2 (from torch 2.12
-on) looks into dataclass instances: it casts their floating tensors to ``param_dtype``, registers
-its post-backward on the ones that require grad and hooks its pre-backward on the outputs'. Before
-2026-11-29 fsdp_native took such a state for a leaf (torch's pytree does not know it), so the
-block's backward ran without its parameters gathered again and failed (``setStorage: ... out of
-bounds for storage of size 0``), as on torch 2.11.
+"""Units whose forward takes and returns ``@dataclass`` states, or states in a dict subclass (an
+``EasyDict``-like dict with attribute access), e.g. a mixture-of-experts block that carries its
+router's auxiliary loss beside the hidden state. torch FSDP2 (from torch 2.12 on) looks into
+dataclass instances and dict subclasses: it casts their floating tensors to ``param_dtype``,
+registers its post-backward on the ones that require grad and hooks its pre-backward on the
+outputs'. Before 2026-11-29 fsdp_native took such a state for a leaf (torch's pytree does not
+know it), so the block's backward ran without its parameters gathered again and failed
+(``setStorage: ... out of bounds for storage of size 0``), as on torch 2.11.
 
-Checked: a frozen and a plain dataclass, one nested in a dict; fp32 and a bf16 policy; losses
+Checked: a frozen and a plain dataclass, one nested in a dict, and the dict subclass; fp32 and a
+bf16 policy (where torch FSDP2 turns the dict subclass into a plain dict when it casts, and
+fails; fsdp_native keeps its type); losses
 and parameters bit for bit torch FSDP2's (torch >= 2.12) and, in fp32, within 1e-5 of an
 unsharded model trained on the mean of the ranks' losses; and that a block's inputs arrive
 cast, dataclass fields included.
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_utils import assert_same_run, full_params, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_same_run, full_params, grid, load_impl, ref_impl, run_distributed, run_grid
 from fsdp_native import _compat
 
 STEPS, DIM = 3, 6
@@ -29,6 +32,20 @@ STEPS, DIM = 3, 6
 class State:
     h: torch.Tensor
     aux: torch.Tensor
+
+
+class AttrDict(dict):
+    """A dict with attribute access, as EasyDict / addict give."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def make_state(kind: str, h, aux):
+    return State(h=h, aux=aux) if kind == "dataclass" else AttrDict(h=h, aux=aux)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,19 +67,20 @@ class Block(nn.Module):
         gates = torch.softmax(self.router(state.h), dim=-1)
         out = sum(gates[..., i : i + 1] * e(state.h) for i, e in enumerate(self.experts))
         aux = state.aux + gates.float().mean(0).pow(2).sum() * extras.scale.float().sum()
-        return State(h=state.h + torch.tanh(out), aux=aux)
+        return make_state("dataclass" if isinstance(state, State) else "dict", state.h + torch.tanh(out), aux)
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, kind: str):
         super().__init__()
+        self.kind = kind
         self.inp = nn.Linear(4, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(3))
         self.out = nn.Linear(DIM, 1)
         self.scale = nn.Parameter(torch.full((1,), 0.5))
 
     def forward(self, x):
-        state = State(h=self.inp(x), aux=torch.zeros(()))
+        state = make_state(self.kind, self.inp(x), torch.zeros(()))
         side = {"extras": Extras(scale=self.scale * 1.0)}
         for b in self.blocks:
             state = b(state, side)
@@ -79,9 +97,9 @@ def _loss(model, x, y):
     return (out - y).pow(2).mean() + 0.1 * aux
 
 
-def _train(impl, mp: bool) -> dict:
+def _train(impl, kind: str, mp: bool) -> dict:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(kind)
     kw = dict(mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if mp else {}
     for b in model.blocks:
         impl.fully_shard(b, **kw)
@@ -97,9 +115,9 @@ def _train(impl, mp: bool) -> dict:
     return dict(losses=torch.stack(losses), params=full_params(model), seen={s for b in model.blocks for s in b.seen})
 
 
-def _train_unsharded() -> dict:
+def _train_unsharded(kind: str) -> dict:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ws, losses = dist.get_world_size(), []
     for step in range(STEPS):
@@ -111,19 +129,31 @@ def _train_unsharded() -> dict:
     return dict(losses=torch.stack(losses), params={n: p.detach() for n, p in model.named_parameters()})
 
 
-def check(mp: bool) -> None:
+def check(kind: str, mp: bool) -> None:
     impl = load_impl()
-    got = _train(impl, mp)
+    if impl.name != "fsdp_native" and kind == "dict" and mp:  # the harness's self-check on torch FSDP2
+        try:
+            _train(impl, kind, mp)
+        except AttributeError as e:
+            assert str(e) == "'dict' object has no attribute 'h'", str(e)
+            return
+        raise AssertionError("torch FSDP2 now keeps a dict subclass's type when it casts: compare with it")
+    got = _train(impl, kind, mp)
     dtype = "torch.bfloat16" if mp else "torch.float32"
     assert got["seen"] == {f"{dtype} {dtype} {dtype}"}, f"[{impl.name}] mp={mp}: block inputs {got['seen']}"
     if not mp:
-        assert_same_run(f"[{impl.name}] vs unsharded", got, _train_unsharded(), dict(rtol=1e-5, atol=1e-5))
-    if _compat.TORCH_VERSION >= (2, 12):  # torch 2.11's FSDP2 fails on dataclass states too
-        assert_same_run(f"[{impl.name}] mp={mp} vs torch", got, _train(ref_impl(), mp))
+        assert_same_run(f"[{impl.name}] {kind} vs unsharded", got, _train_unsharded(kind), dict(rtol=1e-5, atol=1e-5))
+    if kind == "dict" and mp:
+        # torch FSDP2 casts a dict subclass's tensors into a plain dict, which loses the
+        # attribute access ('dict' object has no attribute 'h'); fsdp_native keeps the type.
+        # The same states as a dataclass give the same numbers.
+        assert_same_run(f"[{impl.name}] {kind} mp={mp} vs dataclass", got, _train(impl, "dataclass", mp))
+    elif _compat.TORCH_VERSION >= (2, 12):  # torch 2.11's FSDP2 fails on these states too
+        assert_same_run(f"[{impl.name}] {kind} mp={mp} vs torch", got, _train(ref_impl(), kind, mp))
 
 
 def _grid():
-    run_grid([dict(mp=False), dict(mp=True)], check, name="dataclass states")
+    run_grid(grid(kind=["dataclass", "dict"], mp=[False, True]), check, name="dataclass states")
 
 
 def test_dataclass_inputs_and_outputs_match_torch():
