@@ -15,13 +15,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 
+def _init_names(x: Any) -> list[str]:
+    # Only the fields __init__ takes: dataclasses.replace rebuilds from those.
+    return [f.name for f in dataclasses.fields(x) if f.init]
+
+
 def _children(x: Any) -> list | None:
     """The children of a container pytree does not know, None for anything else."""
     if type(x) in pytree.SUPPORTED_NODES or isinstance(x, (torch.Tensor, str, bytes)):
         return None
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        # Only the fields __init__ takes: dataclasses.replace rebuilds from those.
-        return [getattr(x, f.name) for f in dataclasses.fields(x) if f.init]
+        return [getattr(x, name) for name in _init_names(x)]
     if isinstance(x, dict):
         return list(x.values())
     if isinstance(x, (list, tuple)):
@@ -34,8 +38,7 @@ def _rebuild(x: Any, old: list, new: list) -> Any:
     if all(n is o for n, o in zip(new, old)):
         return x
     if dataclasses.is_dataclass(x):
-        names = [f.name for f in dataclasses.fields(x) if f.init]
-        return dataclasses.replace(x, **{k: n for k, n, o in zip(names, new, old) if n is not o})
+        return dataclasses.replace(x, **{k: n for k, n, o in zip(_init_names(x), new, old) if n is not o})
     if isinstance(x, dict):
         out = copy.copy(x)
         out.update(zip(x.keys(), new))

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_utils import assert_close, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from dist_utils import assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 from fsdp_native import _compat
 
 WIDTH, MODES, LENGTH, STEPS = 4, 3, 12, 3
@@ -150,21 +150,14 @@ def _train_unsharded(world_size: int) -> dict:
     return dict(losses=torch.stack(losses), params=_comparable({n: p.detach() for n, p in model.named_parameters()}))
 
 
-def _same(what: str, a: dict, b: dict, tol: dict) -> None:
-    assert_close(f"{what}: losses", a["losses"], b["losses"], tol)
-    assert a["params"].keys() == b["params"].keys(), f"{what}: parameters differ"
-    for n in a["params"]:
-        assert_close(f"{what}: {n}", a["params"][n], b["params"][n], tol)
-
-
 def check(policy: str) -> None:
     impl = load_impl()
     got = _train(impl, policy, torch_reference=impl.name != "fsdp_native")
     assert got["seen"] == {"torch.complex64", "torch.int8"}, f"[{impl.name}] {policy}: forward saw dtypes {got['seen']}"
     if policy == "fp32":
-        _same(f"[{impl.name}] {policy} vs unsharded", got, _train_unsharded(dist.get_world_size()), dict(rtol=1e-5, atol=1e-5))
+        assert_same_run(f"[{impl.name}] {policy} vs unsharded", got, _train_unsharded(dist.get_world_size()), dict(rtol=1e-5, atol=1e-5))
     if _compat.TORCH_VERSION >= (2, 12):  # torch 2.11 casts int8 and complex parameters to param_dtype
-        _same(f"[{impl.name}] {policy} vs torch", got, _train(ref_impl(), policy, torch_reference=True), dict(rtol=0, atol=0))
+        assert_same_run(f"[{impl.name}] {policy} vs torch", got, _train(ref_impl(), policy, torch_reference=True), dict(rtol=0, atol=0))
 
 
 class Mixed(nn.Module):
@@ -253,7 +246,7 @@ def _train_float64(impl, cfg: dict) -> dict:
 def check_float64(**cfg) -> None:
     impl = load_impl()
     got = _train_float64(impl, cfg)
-    _same(f"[{impl.name}] {cfg} vs torch", got, _train_float64(ref_impl(), cfg), dict(rtol=0, atol=0))
+    assert_same_run(f"[{impl.name}] {cfg} vs torch", got, _train_float64(ref_impl(), cfg), dict(rtol=0, atol=0))
 
 
 def _grid_float64():
