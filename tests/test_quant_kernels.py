@@ -936,8 +936,8 @@ def triton_vs_cpp(dev: torch.device, big: bool = False) -> None:
     # Every source and destination dtype on the small shapes; the larger units (the whole-tile
     # and misaligned paths, whose vector widths go by the element size) in fp32 and bf16: fp16
     # shares bf16's width and its casts are the small unit's. The interpreter's time goes by
-    # programs, and these units have hundreds (about 40 s of CI on two torch versions). On a GPU,
-    # every dtype everywhere.
+    # programs, and these units have hundreds (91 -> 80 s a run; CI runs it on two torch
+    # versions). On a GPU, every dtype everywhere.
     for u, shapes in enumerate(units):
         full = u == 0 or dev.type == "cuda"
         _triton_vs_cpp_unit(dev, shapes, gen, misaligned=u == 2, dtypes=FLOATS if full else (f32, bf16))
