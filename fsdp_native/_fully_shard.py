@@ -123,23 +123,33 @@ def fully_shard(
                 "p.grad_dtype = p.dtype, and MixedPrecisionPolicy(reduce_dtype=...) for the dtype of the reduction"
             )
     _check_devices(params, names)
-    local, tp_specs = _tp.split(params, names, info, post is not None, spmd)
-    shard_dims = _shard_dims(shard_placement_fn, params, names, info, [p.shape for p in local])
-    param_dtypes = resolve_param_dtypes(mp, params, names)  # the user's parameters, as torch calls it
-    params = [_to_device(p, info.device) for p in local]
-    unit = Unit(modules, params, owners, info, mp, offload, raf, post, all_gather, param_dtypes, shard_dims, tp_specs, spmd)
+    units = []
+    for g_info, idx, placements in _mesh_groups(shard_placement_fn, params, names, info, spmd):
+        g_params, g_names, g_owners = [params[i] for i in idx], [names[i] for i in idx], [owners[i] for i in idx]
+        g_raf, g_post = (raf, post) if g_info is info else _group_reshard(reshard_after_forward, g_info, g_names)
+        local, tp_specs = _tp.split(g_params, g_names, g_info, g_post is not None, spmd)
+        shard_dims = _shard_dims(placements, g_params, g_names, g_info, [p.shape for p in local])
+        param_dtypes = resolve_param_dtypes(mp, g_params, g_names)  # the user's parameters, as torch calls it
+        g_params = [_to_device(p, g_info.device) for p in local]
+        units.append(
+            Unit(modules, g_params, g_owners, g_info, mp, offload, g_raf, g_post, all_gather, param_dtypes, shard_dims, tp_specs, spmd)
+        )
+    unit = units[0]
+    for u in units[1:]:
+        u.primary = unit
+    unit.group = tuple(units)
     pre_hook, post_hook = _eager_hooks()
     for m in modules:
         m._fsdp_native_unit = unit
         m.register_forward_pre_hook(functools.partial(pre_hook, unit), prepend=True, with_kwargs=True)
         m.register_forward_hook(functools.partial(post_hook, unit), prepend=False)
         # Like torch: a state dict always holds the sharded DTensor parameters.
-        m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, unit=unit: unit.reshard())
+        m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, units=units: _each(units, Unit.reshard))
         # load_state_dict(assign=True) installs new tensors: reshard before, re-adopt after, so
         # the parameters are the unit's own (flat buffer, ShardedDTensor) before an optimizer
         # is built from them.
-        m.register_load_state_dict_pre_hook(lambda mod, *args, unit=unit: unit.reshard())
-        m.register_load_state_dict_post_hook(lambda mod, incompatible, unit=unit: unit.readopt())
+        m.register_load_state_dict_pre_hook(lambda mod, *args, units=units: _each(units, Unit.reshard))
+        m.register_load_state_dict_post_hook(lambda mod, incompatible, units=units: _each(units, Unit.readopt))
         _pipelining.register(m, unit)  # torch.distributed.pipelining's stages, before torch 2.15
         cls = type(m)
         if not isinstance(m, FSDPModule):
@@ -152,8 +162,14 @@ def fully_shard(
         for name, sub in modules[0].named_modules():
             sub_unit = getattr(sub, "_fsdp_native_unit", None)
             if sub_unit is not None:
-                sub_unit.fqn = name
+                for u in sub_unit.group:
+                    u.fqn = name
     return module
+
+
+def _each(units, method) -> None:
+    for u in units:
+        method(u)
 
 
 def _pre_hook(unit, module, args, kwargs):
@@ -233,26 +249,80 @@ def _check_same_settings(module, unit, info, mp, offload, raf, given) -> None:
         raise ValueError(f"fully_shard: argument 'mesh' is {info.mesh}, but {where} is already sharded on {unit.info.mesh}")
 
 
-def _shard_dims(fn, params: list, names: list[str], info, shapes: list) -> list[int]:
-    """Each parameter's shard dim from `shard_placement_fn` (``None``: dim 0), as torch FSDP2
-    reads it: ``Shard(d)`` with d counted from the end when negative, or (torch 2.13+) a
-    ``ShardPlacementResult`` whose mesh is the unit's. A dim other than 0 must divide evenly
-    over the shard group (torch FSDP2 pads dim 0 only). `shapes`: what the unit shards of each
-    parameter (a tensor-parallel one's local shape)."""
-    dims = []
-    for p, name, shape in zip(params, names, shapes):
+def _is_placement_result(result) -> bool:
+    """torch 2.13's ``ShardPlacementResult`` (a placement and a mesh), duck-typed."""
+    return result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info") and hasattr(result, "placement")
+
+
+def _mesh_groups(fn, params: list, names: list[str], info, spmd) -> list[tuple]:
+    """The parameters grouped by the mesh they are sharded on, as torch FSDP2 (2.13+) groups
+    them: ``(MeshInfo, indices, placements)`` per group, in the order of each group's first
+    parameter. `shard_placement_fn` gives each parameter ``None`` or ``Shard(d)`` (the call's
+    mesh, `info`), or a ``ShardPlacementResult`` whose ``mesh_info`` may name another mesh;
+    parameters whose meshes have the same shard and replicate process groups share a group.
+    Each group becomes a unit of its own (:attr:`Unit.group`)."""
+    default_key = (info.shard_group, info.replicate_group)
+    groups: dict[tuple, tuple] = {}
+    for i, (p, name) in enumerate(zip(params, names)):
         result = None if fn is None else fn(p)
-        placement = result
-        if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):  # ShardPlacementResult
+        placement, g_info, key = result, info, default_key
+        if _is_placement_result(result):
             placement = result.placement
-            mesh = getattr(result.mesh_info, "mesh", None)
-            shard_dim = getattr(result.mesh_info, "shard_mesh_dim", None)
-            if (mesh is not info.mesh and mesh != info.mesh) or shard_dim != info.mesh.ndim - 1:
-                raise NotImplementedError(
-                    f"fully_shard: argument 'shard_placement_fn' returned a ShardPlacementResult with a mesh of its own "
-                    f"for parameter '{name}'; fsdp_native shards every parameter of a unit on the unit's mesh (shard "
-                    "parameters on another mesh with a fully_shard call of their own)"
-                )
+            g_info = _result_mesh_info(result.mesh_info, name, info, spmd)
+            key = (g_info.shard_group, g_info.replicate_group)
+            if key == default_key:
+                g_info = info
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = (g_info, [], [])
+        group[1].append(i)
+        group[2].append(placement)
+    return list(groups.values()) or [(info, [], [])]
+
+
+def _result_mesh_info(result_info, name: str, info, spmd):
+    """fsdp_native's MeshInfo for the ``mesh_info`` of a ``ShardPlacementResult``: torch's
+    ``FSDPMeshInfo(mesh, shard_mesh_dim=0)`` on a 1-D mesh, or ``HSDPMeshInfo(mesh,
+    replicate_mesh_dim=0, shard_mesh_dim=1)`` on a 2-D one."""
+    mesh = getattr(result_info, "mesh", None)
+    shard_dim = getattr(result_info, "shard_mesh_dim", None)
+    replicate_dim = getattr(result_info, "replicate_mesh_dim", None)
+    where = f"fully_shard: argument 'shard_placement_fn' returned a ShardPlacementResult for parameter '{name}'"
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{where} whose mesh_info has no DeviceMesh (got {type(mesh).__name__}), expected an FSDPMeshInfo")
+    if (mesh.ndim, shard_dim, replicate_dim) not in ((1, 0, None), (2, 1, 0)):
+        raise NotImplementedError(
+            f"{where} on a {mesh.ndim}-D mesh with shard_mesh_dim={shard_dim} and replicate_mesh_dim={replicate_dim}; "
+            "fsdp_native takes FSDPMeshInfo(mesh, shard_mesh_dim=0) on a 1-D mesh or HSDPMeshInfo(mesh, "
+            "replicate_mesh_dim=0, shard_mesh_dim=1) on a 2-D one"
+        )
+    if mesh.device_type != info.mesh.device_type:
+        raise ValueError(f"{where} on a mesh of device type {mesh.device_type!r}, expected the unit's {info.mesh.device_type!r}")
+    if spmd is not None and (mesh != info.mesh or mesh.ndim != info.mesh.ndim):
+        raise NotImplementedError(f"{where} with a mesh of its own, together with dp_mesh_dims; fsdp_native supports one of the two")
+    return mesh_info(mesh)
+
+
+def _group_reshard(value, g_info, names: list[str]) -> tuple[bool | None, tuple | None]:
+    """``reshard_after_forward`` for the parameters on a mesh of their own: a bool as given; an
+    int must divide that mesh's shard group too, as in torch, and may not reshard to a group
+    smaller than it but larger than one."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 < value < g_info.shard_size and g_info.shard_size % value == 0:
+        raise NotImplementedError(
+            f"fully_shard: argument 'reshard_after_forward' is {value}, which would reshard parameters on a mesh of "
+            f"their own ({', '.join(repr(n) for n in names[:3])}{', ...' if len(names) > 3 else ''}, {g_info.shard_size} "
+            "shard ranks) to a smaller group after forward; fsdp_native supports that on the call's mesh only"
+        )
+    return _reshard_after_forward(value, g_info)
+
+
+def _shard_dims(placements: list, params: list, names: list[str], info, shapes: list) -> list[int]:
+    """Each parameter's shard dim from its placement (:func:`_mesh_groups`; ``None``: dim 0),
+    as torch FSDP2 reads it: ``Shard(d)`` with d counted from the end when negative. A dim
+    other than 0 must divide evenly over the shard group (torch FSDP2 pads dim 0 only).
+    `shapes`: what the unit shards of each parameter (a tensor-parallel one's local shape)."""
+    dims = []
+    for p, placement, name, shape in zip(params, placements, names, shapes):
         if placement is None:
             dims.append(0)
             continue
@@ -291,7 +361,8 @@ def _collect_params(modules: list[nn.Module], ignored: set) -> tuple[list[nn.Par
         for sub in m.modules():
             unit = getattr(sub, "_fsdp_native_unit", None)
             if unit is not None and sub not in modules:
-                taken.update(id(p) for p in unit.sharded_params)
+                for u in unit.group:
+                    taken.update(id(p) for p in u.sharded_params)
     params, owners, index = [], [], {}
     for m in modules:
         for sub in m.modules():
@@ -388,11 +459,13 @@ class UnshardHandle:
 
 
 def _units_below(module: nn.Module) -> list[Unit]:
+    """The units of `module` and the modules below it (those of a call on several meshes
+    included, after the module's own)."""
     units = []
     for sub in module.modules():
         u = getattr(sub, "_fsdp_native_unit", None)
         if u is not None and u not in units:
-            units.append(u)
+            units.extend(u.group)
     return units
 
 
@@ -408,9 +481,10 @@ class FSDPModule(_TorchFSDPModule):
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this unit's parameters; with ``async_op`` returns a handle to wait on."""
-        unit = self._unit
-        _outside_inference_mode(unit.issue_all_gather)
-        handle = UnshardHandle([unit])
+        group = list(self._unit.group)
+        for u in group:
+            _outside_inference_mode(u.issue_all_gather)
+        handle = UnshardHandle(group)
         if async_op:
             return handle
         _outside_inference_mode(handle.wait)
@@ -418,10 +492,13 @@ class FSDPModule(_TorchFSDPModule):
 
     def reshard(self) -> None:
         """Frees this unit's unsharded parameters and registers the sharded ones."""
-        self._unit.reshard()
+        for u in self._unit.group:
+            u.reshard()
 
     def _targets(self, recurse: bool) -> list[Unit]:
-        return _units_below(self) if recurse else [self._unit]
+        """The units a setter applies to: every one below this module, or this module's
+        (one per mesh its parameters are on)."""
+        return _units_below(self) if recurse else list(self._unit.group)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility; every backward ends with all reductions completed."""
@@ -459,14 +536,16 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next all-gather of this unit waits on ``event`` (recorded after optimizer.step)."""
-        self._unit.post_optim_event = event
+        for u in self._unit.group:
+            u.post_optim_event = event
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """This unit's gradients are divided by ``factor`` instead of the data-parallel world
         size (this module's unit only, as in torch FSDP2: not the units below it)."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: argument 'factor' is {factor}, expected a positive number")
-        self._unit.divide_factor = float(factor)
+        for u in self._unit.group:
+            u.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         self.set_gradient_divide_factor(factor)
@@ -474,7 +553,8 @@ class FSDPModule(_TorchFSDPModule):
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: this unit's parameters are not all-gathered in backward (their backward does
         not need them, e.g. an embedding)."""
-        self._unit.unshard_in_backward = unshard_in_backward
+        for u in self._unit.group:
+            u.unshard_in_backward = unshard_in_backward
 
     def reset_iter_state(self) -> None:
         """Recovers after a forward or backward raised, as torch FSDP2 2.15: on the root
@@ -491,22 +571,34 @@ class FSDPModule(_TorchFSDPModule):
         ctx.reset_iter_state()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        unit = self._unit
-        unit.reshard()
+        group = self._unit.group
         fn = args[0] if args else kwargs["fn"]
-        hidden = unit.apply_to_flat(fn)  # the unit's plain shards at once, in their flat buffer
-        if hidden:
-            unit.hide(True)
+        hidden = []
+        for u in group:
+            u.reshard()
+            if u.apply_to_flat(fn):  # the unit's plain shards at once, in their flat buffer
+                u.hide(True)
+                hidden.append(u)
         try:
             ret = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # skip torch's FSDP2 override
         finally:
-            if hidden:
-                unit.hide(False)
-        unit.readopt()
+            for u in hidden:
+                u.hide(False)
+        for u in group:
+            u.readopt()
         return ret
 
     def __deepcopy__(self, memo):
         raise AssertionError("fsdp_native: FSDP modules do not support deepcopy; use the state dict")
+
+    def _single_mesh(self, method: str, what: str) -> None:
+        """torch FSDP2's refusal of a per-unit communication setting for a unit whose parameters
+        are on several meshes."""
+        if len(self._unit.group) > 1:
+            raise ValueError(
+                f"{method} is not supported with multiple param groups (from per-param mesh via shard_placement_fn). "
+                f"The {what} would be ambiguous across groups with different meshes."
+            )
 
     def _not_implemented(self, name: str):
         raise NotImplementedError(f"fsdp_native: FSDPModule.{name} is not implemented")
@@ -517,6 +609,7 @@ class FSDPModule(_TorchFSDPModule):
         of it is the input) and ``comm(output_tensor=, input_tensor=, group=, async_op=True)``
         gathers, returning a work to wait on or None."""
         _check_comm(comm, "set_custom_all_gather")
+        self._single_mesh("set_custom_all_gather", "custom comm")
         self._unit.ag_comm = comm
 
     def set_custom_reduce_scatter(self, comm) -> None:
@@ -525,6 +618,7 @@ class FSDPModule(_TorchFSDPModule):
         input_tensor=, group=, op=, async_op=True)`` reduces (the unit's gradients alone, not
         bucketed with other units')."""
         _check_comm(comm, "set_custom_reduce_scatter")
+        self._single_mesh("set_custom_reduce_scatter", "custom comm")
         self._unit.rs_comm = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
@@ -535,6 +629,7 @@ class FSDPModule(_TorchFSDPModule):
         ``stream``: the CUDA stream to run it on (not with HSDP, as in torch)."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook: argument 'hook' must be callable, got {type(hook).__name__}")
+        self._single_mesh("set_all_reduce_hook", "hook")
         unit = self._unit
         if stream is not None and unit.info.replicate_group is not None:
             raise ValueError("set_all_reduce_hook: argument 'stream' cannot be set when using native HSDP (a 2-D mesh)")
@@ -543,7 +638,8 @@ class FSDPModule(_TorchFSDPModule):
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce this unit's gradients with SUM only (then divide), for backends without AVG /
         PREMUL_SUM (this module's unit only, as in torch FSDP2)."""
-        self._unit.force_sum = bool(enable)
+        for u in self._unit.group:
+            u.force_sum = bool(enable)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Whether parameters that require grad but got no gradient in a backward are reduced
@@ -640,7 +736,8 @@ class FSDPModule(_TorchFSDPModule):
                 "set_allocate_memory_from_process_group_for_comm: this unit has a custom all-gather or reduce-scatter "
                 "(set_custom_all_gather / set_custom_reduce_scatter), which allocates its own buffers"
             )
-        unit.pg_alloc = enable
+        for u in unit.group:
+            u.pg_alloc = enable
 
     def set_symm_mem_for_comm(self, *args, **kwargs) -> None:
         self._not_implemented("set_symm_mem_for_comm")

@@ -22,7 +22,19 @@ def _eager(fn):
 
 
 def _run_post_backward(unit: Unit) -> None:
-    unit.post_backward()
+    for u in unit.group:
+        u.post_backward()
+
+
+def _unshard(unit: Unit) -> None:
+    """Unshards `unit` and the units of its call on other meshes (:attr:`Unit.group`): every
+    all-gather is issued before the first is waited on."""
+    group = unit.group
+    if len(group) > 1:
+        for u in group:
+            u.issue_all_gather()
+    for u in group:
+        u.unshard()
 
 
 @functools.cache
@@ -48,7 +60,7 @@ class RootContext:
         self.forward_order: list[Unit] = []
         self.next_forward: dict[Unit, Unit] = {}
         self.prev_forward: dict[Unit, Unit] = {}
-        self._set_order(units)
+        self._set_order([u for u in units if u.primary is None])
         streams = units[0].streams if units else None
         if streams is not None and streams.cuda:
             shared = root._fsdp_native_unit.shared_comm  # share_comm_ctx: the roots' one set of streams
@@ -130,7 +142,7 @@ class RootContext:
     def _order(self) -> list[Unit]:
         """Reverse forward order first (the order the backward would have reached them), then
         any other unit. Every rank runs the same order, so the reductions it issues match."""
-        return list(dict.fromkeys([*reversed(self.forward_order), *self.units]))
+        return list(dict.fromkeys([*(g for u in reversed(self.forward_order) for g in u.group), *self.units]))
 
     @staticmethod
     def _unreached(u: Unit) -> bool:
@@ -272,8 +284,9 @@ def _prefetch(explicit: list[Unit] | None, neighbour: Unit | None, backward: boo
     if explicit is None:
         explicit = (neighbour,) if neighbour is not None and not neighbour.is_unsharded else ()
     for other in explicit:
-        if not backward or other.unshard_in_backward:
-            other.issue_all_gather()
+        for u in other.group:
+            if not backward or u.unshard_in_backward:
+                u.issue_all_gather()
 
 
 def _mark_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -310,7 +323,7 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
         # to be there. Where it did not (use_reentrant=True: the forward ran without grad and
         # registered no hooks; the backward runs the recompute's own backward), the recompute
         # registers them as a forward does, or the unit's gradients would never be reduced.
-        unit.unshard()
+        _unshard(unit)
         if cast:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         if torch.is_grad_enabled() and not unit.needs_post_backward and not unit.recompute_hooked:
@@ -327,10 +340,10 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
             if (args or kwargs) and unit.device.type in _INPUTS_TO_DEVICE:
                 args, kwargs = _inputs_to_device(args, kwargs, unit.device)
         ctx.forward_order.append(unit)
-        unit.unshard()
+        _unshard(unit)
         _prefetch(unit.forward_prefetch, ctx.next_forward.get(unit))
     else:
-        unit.unshard()  # a no-op unless a module of the unit resharded it
+        _unshard(unit)  # a no-op unless a module of the unit resharded it
     if cast:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
     if first and torch.is_grad_enabled():
@@ -373,10 +386,11 @@ def _complete_forward(unit: Unit, output):
     if rec is not None and unit._t_compute is not None:
         rec.span("forward", "compute", unit.fqn, unit._t_compute, _trace.now_us())
         unit._t_compute = None
-    if unit.reshard_after_forward:
-        # Also the forward's last unit, which the backward gathers again at once: keeping its
-        # data would hold it through the loss, often the step's peak (tests/test_memory.py).
-        unit.reshard(after_forward=True)
+    for u in unit.group:
+        if u.reshard_after_forward:
+            # Also the forward's last unit, which the backward gathers again at once: keeping
+            # its data would hold it through the loss, often the step's peak (tests/test_memory.py).
+            u.reshard(after_forward=True)
     if unit.mp.output_dtype is not None:
         output = _cast_floats(output, unit.mp.output_dtype)
     if torch.is_grad_enabled():
@@ -395,11 +409,18 @@ def _hook_outputs(unit: Unit, output) -> None:
 def pre_backward(unit: Unit) -> None:
     ctx: RootContext = unit.ctx
     ctx.begin_backward()
-    unit.needs_post_backward = True
-    unit.backward_reached = True
-    if unit.unshard_in_backward:
-        unit.unshard()
-    unit.defer_grad_upcast()
+    group = unit.group
+    for u in group:
+        u.needs_post_backward = True
+        u.backward_reached = True
+    if len(group) > 1:
+        for u in group:
+            if u.unshard_in_backward:
+                u.issue_all_gather()
+    for u in group:
+        if u.unshard_in_backward:
+            u.unshard()
+        u.defer_grad_upcast()
     _prefetch(unit.backward_prefetch, ctx.prev_forward.get(unit), backward=True)
     if _trace.active is not None:
         unit._t_compute = _trace.now_us()
@@ -417,13 +438,15 @@ def lazy_init(module: nn.Module) -> RootContext:
                     f"fully_shard: module '{name}' already belongs to the root of another forward; "
                     "run the root module's forward first"
                 )
-            unit.fqn = name
-            units.append(unit)
+            for u in unit.group:
+                u.fqn = name
+                units.append(u)
     root_unit = module._fsdp_native_unit
     for u in units:
         if u is not root_unit and u.manual_finalization:
             raise RuntimeError("set_manual_backward_finalization must be called on the root module (the first one forwarded)")
     if root_unit.auto_reshard:
-        root_unit.reshard_after_forward = False
+        for u in root_unit.group:
+            u.reshard_after_forward = False
     _agreement.first_forward(module, units)  # same units on every rank, before any collective
     return RootContext(module, units)

@@ -35,8 +35,11 @@ class UnshardedStats:
 def unsharded_stats(module: nn.Module) -> UnshardedStats:
     """Reports the unsharded bytes of every fsdp_native unit under ``module``."""
     units = _units_below(module)
+    # A module whose parameters are on several meshes has a unit per mesh: summed.
     per = {
-        u.fqn: UnitStats(u.acct.current, u.acct.peak, u.layout.unsharded_numel * u.layout.param_dtype.itemsize) for u in units
+        u.fqn: UnitStats(*(sum(v) for v in zip(*((g.acct.current, g.acct.peak, g.layout.unsharded_numel * g.layout.param_dtype.itemsize) for g in u.group))))
+        for u in units
+        if u.primary is None
     }
     totals = {id(u.total_acct): u.total_acct for u in units if u.total_acct is not None}
     current = sum(u.acct.current for u in units)

@@ -116,6 +116,11 @@ class Unit:
         self._wide_grads: list[tuple[int, torch.dtype]] = []
         self._grad_dtypes_lifted = False  # defer_grad_upcast lifted some; restore_grad_dtypes undoes it
         self.fqn = ""
+        # A fully_shard call whose parameters are on several meshes (shard_placement_fn's
+        # ShardPlacementResult, torch 2.13+) makes one unit per mesh: the first (`primary`)
+        # is the module's and runs its hooks for all of them, in `group` (itself first).
+        self.primary: Unit | None = None
+        self.group: tuple[Unit, ...] = (self,)
         # Forward-pass state of the unit as one hook target (several modules may share it).
         self.in_forward = False
         self.modules_to_run: set[nn.Module] = set()

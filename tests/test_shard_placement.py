@@ -328,8 +328,9 @@ def check_checkpoint_across_libraries() -> None:
 
 
 def check_shard_placement_result() -> None:
-    """torch 2.13+'s ShardPlacementResult: on the unit's own mesh, as Shard(d); on another
-    mesh (per-parameter meshes), fsdp_native raises."""
+    """torch 2.13+'s ShardPlacementResult: on the unit's own mesh, as Shard(d) (other meshes:
+    tests/test_per_param_mesh.py); a mesh_info that is neither a 1-D FSDP nor a 2-D HSDP one
+    raises NotImplementedError."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
     except ImportError:  # torch before 2.13 has no such result
@@ -359,9 +360,9 @@ def check_shard_placement_result() -> None:
         other = init_device_mesh("cpu", (1, dist.get_world_size()))
         raises_exactly(
             NotImplementedError,
-            "fully_shard: argument 'shard_placement_fn' returned a ShardPlacementResult with a mesh of its own for "
-            "parameter 'base.weight'; fsdp_native shards every parameter of a unit on the unit's mesh (shard "
-            "parameters on another mesh with a fully_shard call of their own)",
+            "fully_shard: argument 'shard_placement_fn' returned a ShardPlacementResult for parameter 'base.weight' on "
+            "a 2-D mesh with shard_mesh_dim=1 and replicate_mesh_dim=None; fsdp_native takes FSDPMeshInfo(mesh, "
+            "shard_mesh_dim=0) on a 1-D mesh or HSDPMeshInfo(mesh, replicate_mesh_dim=0, shard_mesh_dim=1) on a 2-D one",
             lambda: impl.fully_shard(
                 _lora_model("bf16").blocks[0], mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(None, FSDPMeshInfo(other, shard_mesh_dim=1))
             ),
