@@ -7,7 +7,9 @@ block: the experts on the ``efsdp`` mesh, every other parameter on the data-para
 
 * over an HSDP mesh of their own (2 replicas x 2 shards), as plain parameters, or
 * over ``efsdp`` (2 ranks) as expert-parallel DTensors (``Shard(0)`` over ``ep``, 2 ranks),
-  on dim 0 or, with fewer local experts than ``efsdp`` ranks, dim 1 (torchtitan's rule).
+  on dim 0 or, with fewer local experts than ``efsdp`` ranks, dim 1 (torchtitan's rule), or
+* as torchtitan lays out HSDP with expert parallelism at 4 ranks: the dense parameters on
+  (dp_replicate 2, fsdp 2), the experts' DTensors over ``ep`` 2 on (dp_replicate 2, efsdp 1).
 
 Losses, parameters, placements and local shapes are torch FSDP2's, bit for bit, with mixed
 precision, gradient accumulation, no reshard after forward, torchtitan's gradient divide
@@ -89,6 +91,13 @@ class MoE(BlockStack):
 
 def _meshes(kind: str):
     """(the dense mesh, the experts' mesh info, the expert-parallel mesh or None)."""
+    if kind == "hsdp-ep":
+        # torchtitan's HSDP with EP at 4 ranks: dense (dp_replicate 2, fsdp 2); experts over
+        # ep 2, replicated over dp_replicate, on an efsdp dim of 1 rank
+        dense = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
+        sparse = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        edp = sparse["dp_replicate", "efsdp"]
+        return dense, HSDPMeshInfo(mesh=edp, replicate_mesh_dim=0, shard_mesh_dim=1), sparse["ep"]
     dense = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
     if kind == "hsdp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -108,7 +117,10 @@ def _build(impl, kind: str, n_experts: int = 4, mp: bool = False, reshard=True, 
     kw = dict(mesh=dense)
     if mp:
         kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    dense_result = ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(mesh=dense, shard_mesh_dim=0))
+    dense_info = dense_info and (
+        FSDPMeshInfo(mesh=dense, shard_mesh_dim=0) if dense.ndim == 1 else HSDPMeshInfo(mesh=dense, replicate_mesh_dim=0, shard_mesh_dim=1)
+    )
+    dense_result = ShardPlacementResult(placement=Shard(0), mesh_info=dense_info) if dense_info else None
     for b in model.blocks:
         experts = set(b.experts.parameters())
         local_experts = _local(b.experts.w1).shape[0]
@@ -117,7 +129,7 @@ def _build(impl, kind: str, n_experts: int = 4, mp: bool = False, reshard=True, 
         def fn(p, experts=experts, placement=placement):
             if p in experts:
                 return ShardPlacementResult(placement=placement, mesh_info=expert_info)
-            return dense_result if dense_info else None
+            return dense_result
 
         impl.fully_shard(b, reshard_after_forward=reshard, shard_placement_fn=fn, **kw)
     impl.fully_shard(model, **kw)
@@ -243,6 +255,7 @@ def _grid():
         dict(kind="ep", n_experts=2, mp=True, accum=2),  # 1 local expert, 2 efsdp ranks: Shard(1)
         dict(kind="hsdp", mp=True, reshard=False, titan=True, ac=True),
         dict(kind="ep", reshard=2, ac=True),  # dense: 2 ranks after forward; experts: all 2 of efsdp
+        dict(kind="hsdp-ep", dense_info=True, mp=True, accum=2, titan=True),
     ]
     run_grid(configs, check_parity, name="per-param-mesh")
     run_grid([{}], check_errors, name="per-param-mesh-errors")
