@@ -26,10 +26,11 @@ def _run_post_backward(unit: Unit) -> None:
         u.post_backward()
 
 
-def _unshard(unit: Unit) -> None:
-    """Unshards `unit` and the units of its call on other meshes (:attr:`Unit.group`): every
-    all-gather is issued before the first is waited on."""
-    group = unit.group
+def _unshard(unit: Unit, backward: bool = False) -> None:
+    """Unshards `unit` and the units of its call on other meshes (:attr:`Unit.group`; in
+    `backward`, those that unshard in backward): every all-gather is issued before the first
+    is waited on."""
+    group = [u for u in unit.group if u.unshard_in_backward] if backward else unit.group
     if len(group) > 1:
         for u in group:
             u.issue_all_gather()
@@ -409,17 +410,11 @@ def _hook_outputs(unit: Unit, output) -> None:
 def pre_backward(unit: Unit) -> None:
     ctx: RootContext = unit.ctx
     ctx.begin_backward()
-    group = unit.group
-    for u in group:
+    for u in unit.group:
         u.needs_post_backward = True
         u.backward_reached = True
-    if len(group) > 1:
-        for u in group:
-            if u.unshard_in_backward:
-                u.issue_all_gather()
-    for u in group:
-        if u.unshard_in_backward:
-            u.unshard()
+    _unshard(unit, backward=True)
+    for u in unit.group:
         u.defer_grad_upcast()
     _prefetch(unit.backward_prefetch, ctx.prev_forward.get(unit), backward=True)
     if _trace.active is not None:

@@ -35,12 +35,7 @@ class UnshardedStats:
 def unsharded_stats(module: nn.Module) -> UnshardedStats:
     """Reports the unsharded bytes of every fsdp_native unit under ``module``."""
     units = _units_below(module)
-    # A module whose parameters are on several meshes has a unit per mesh: summed.
-    per = {
-        u.fqn: UnitStats(*(sum(v) for v in zip(*((g.acct.current, g.acct.peak, g.layout.unsharded_numel * g.layout.param_dtype.itemsize) for g in u.group))))
-        for u in units
-        if u.primary is None
-    }
+    per = {u.fqn: _module_stats(u.group) for u in units if u.primary is None}
     totals = {id(u.total_acct): u.total_acct for u in units if u.total_acct is not None}
     current = sum(u.acct.current for u in units)
     if len(totals) == 1 and all(u.total_acct is not None for u in units):
@@ -48,6 +43,15 @@ def unsharded_stats(module: nn.Module) -> UnshardedStats:
     else:
         peak = max(current, max((s.peak_bytes for s in per.values()), default=0))
     return UnshardedStats(current, peak, per)
+
+
+def _module_stats(group) -> UnitStats:
+    """A module's unit, or the sum of its units when its parameters are on several meshes."""
+    return UnitStats(
+        sum(u.acct.current for u in group),
+        sum(u.acct.peak for u in group),
+        sum(u.layout.unsharded_numel * u.layout.param_dtype.itemsize for u in group),
+    )
 
 
 def reset_unsharded_peak(module: nn.Module) -> None:
