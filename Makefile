@@ -79,7 +79,8 @@ RUNTIME_TESTS ?= test_optim_defaults.py test_fully_shard_parity.py test_fully_sh
 # harness's failure and hang reports (27 s: it waits out its timeouts), which tests the
 # harness, not torch. The world-size-1 memory grid, left out while each rank started a fresh
 # interpreter, runs again (31 s on torch 2.11) since the ranks fork from a fork server.
-RUNTIME_DESELECT ?= -k "not test_harness_reports_failures_collective_timeouts_and_hangs"
+RUNTIME_DESELECT_K := not test_harness_reports_failures_collective_timeouts_and_hangs
+RUNTIME_DESELECT ?= -k "$(RUNTIME_DESELECT_K)"
 
 $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION):
 	test -x $(OLDEST)/bin/python || python3 -m venv $(OLDEST)
@@ -107,7 +108,8 @@ clean:
 
 # The newest supported torch: the same runtime tests on torch 2.15.0 (a CUDA build: PyPI has
 # no CPU build of it; it runs on CPU). It shares .venv-cuda with cuda-check (one 5 GB venv,
-# not two), adds the test tools, and builds its CPU-only extension into build/newest/lib.
+# not two), adds the test tools, and builds its CPU-only extension into build/newest/lib
+# (unless NEWEST_LIB names a build to test).
 NEWEST_TORCH_VERSION ?= 2.15.0
 # Also on the newest: the quantize kernels against the reference, Triton included (interpreted):
 # the CUDA torch brings its own Triton (3.9 with torch 2.15), newer than .venv's 3.6. And the
@@ -132,7 +134,7 @@ NEWEST_LIB ?=
 # Not on the newest: the C++ kernels' re-runs at each capped CPU instruction level (three
 # subprocesses, about 50 s; make test runs them): the same C++ code whatever the torch, and the
 # best level's run is in the file's other tests.
-NEWEST_DESELECT ?= -k "not test_harness_reports_failures_collective_timeouts_and_hangs and not test_bit_exact_at_every_cpu_kernel_level"
+NEWEST_DESELECT ?= -k "$(RUNTIME_DESELECT_K) and not test_bit_exact_at_every_cpu_kernel_level"
 
 test-newest: $(NEWEST)/.ready-tests-torch-$(NEWEST_TORCH_VERSION)
 ifeq ($(NEWEST_LIB),)

@@ -298,7 +298,7 @@ def _result_mesh_info(result_info, name: str, info, spmd):
         )
     if mesh.device_type != info.mesh.device_type:
         raise ValueError(f"{where} on a mesh of device type {mesh.device_type!r}, expected the unit's {info.mesh.device_type!r}")
-    if spmd is not None and (mesh != info.mesh or mesh.ndim != info.mesh.ndim):
+    if spmd is not None and mesh != info.mesh:
         raise NotImplementedError(f"{where} with a mesh of its own, together with dp_mesh_dims; fsdp_native supports one of the two")
     return mesh_info(mesh)
 
