@@ -11,6 +11,7 @@ gathered buffer becomes the unsharded parameters. One is chosen per unit at ``fu
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -241,7 +242,8 @@ class ExtensionCodec(Codec):
         for i, local in enumerate(unit.shard_views):
             if layout.ext[i]:
                 unit.unsharded_params[i] = _extension.post_all_gather(
-                    local, self.states[i], layout.param_dtypes[i], unit.unsharded_params[i], unit.sharded_params[i].requires_grad
+                    local, self.states[i], layout.param_dtypes[i], unit.unsharded_params[i],
+                    functools.partial(unit.new_unsharded_param, i, unit.sharded_params[i].requires_grad),
                 )
         return allocated
 

@@ -118,11 +118,14 @@ def split(params: list, names: list[str], info, post_forward: bool, spmd: Spmd |
                 f"{where}: an int reshard_after_forward (resharding to a smaller mesh after forward) is not supported "
                 "for tensor-parallel parameters, as in torch FSDP2; pass a bool"
             )
+        # A tensor-subclass local tensor (torchao's Float8 weights under its Float8 TP styles)
+        # keeps its all-gather extensions: the unit gathers it over the data-parallel mesh.
         local = p._local_tensor
-        if _extension.has_extension(local):
+        if spmd is not None and _extension.has_extension(local):
             raise NotImplementedError(
                 f"{where} whose local tensor is a {type(local).__name__} with all-gather extensions; fsdp_native "
-                "composes tensor parallelism with plain local tensors only"
+                "composes dp_mesh_dims with plain local tensors only (tensor parallelism on a mesh of its own "
+                "composes with them)"
             )
         out.append(nn.Parameter(local.detach(), requires_grad=p.requires_grad))
         specs.append(spec)

@@ -301,7 +301,9 @@ class Unit:
         if self.world_size > 1 and same_device and not chunk.is_meta:
             chunk = _extension.own_copy(chunk)
         local = self._to_shard_device(chunk)
-        dt = DTensor.from_local(local, self.info.mesh, self.info.placements, run_check=False, shape=p.shape, stride=p.stride())
+        spec = self.tp_specs[i]
+        shape, stride = self.global_shape(i), spec.stride if spec else p.stride()
+        dt = DTensor.from_local(local, self.mesh(i), self.placements(i), run_check=False, shape=shape, stride=stride)
         sp = nn.Parameter(dt, requires_grad=p.requires_grad)
         self.shard_views[i] = sp._local_tensor
         sp._fsdp_native_unit = self
@@ -497,14 +499,17 @@ class Unit:
         flat = torch.empty(layout.unsharded_numel, dtype=layout.param_dtype, device=self.device)
         self.unsharded_flat = flat
         plain, typed = layout.unsharded_views(flat)
-        self.unsharded_params = [
-            None if t is None else nn.Parameter(t, requires_grad=rg) if spec is None else _tp.unsharded(t, spec, rg)
-            for t, rg, spec in zip(typed, layout.requires_grad, self.tp_specs)
-        ]
+        self.unsharded_params = [None if t is None else self.new_unsharded_param(i, rg, t) for i, (t, rg) in enumerate(zip(typed, layout.requires_grad))]
         self._init_grad_dtypes()
         self._unsharded_plain = plain  # plain views the copy-out writes (no autograd on them)
         self._unsharded_typed = typed  # the same, typed and shaped (a strided parameter's copy-out target)
         flat.untyped_storage().resize_(0)  # views made; memory comes with the first unshard
+
+    def new_unsharded_param(self, i: int, requires_grad: bool, t: torch.Tensor) -> nn.Parameter:
+        """Parameter `i`'s unsharded parameter over `t`: a DTensor over the TP mesh for a
+        tensor-parallel parameter (`t` its TP-local tensor), else `t` itself."""
+        spec = self.tp_specs[i]
+        return nn.Parameter(t, requires_grad=requires_grad) if spec is None else _tp.unsharded(t, spec, requires_grad)
 
     # ---------------------------------------------------------------- gradient dtypes (torch >= 2.15)
     # torch 2.15's FSDP2 gives each unsharded parameter the ``grad_dtype`` it accumulates its

@@ -51,7 +51,9 @@ def _resume(build_save, build_load, train, path: str) -> tuple[list[float], list
 # --------------------------------------------------------------------- torchao Float8
 
 
-def _float8_builder(impl):
+def _float8_builder(impl, tp: bool = False):
+    """With `tp`: 2 data-parallel ranks x 2 TP ranks, torchao's Float8 TP styles
+    (test_float8._parallelize): the weights' DTensors over dp x tp hold Float8 local tensors."""
     import test_float8 as f8
 
     def build(seed):
@@ -59,10 +61,15 @@ def _float8_builder(impl):
         model = f8.Model()
         cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "head")
+        mesh = mesh_of("1d")
+        if tp:
+            full_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            f8._parallelize(model, full_mesh["tp"], sp=False)
+            mesh = full_mesh["dp"]
         mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for b in model.blocks:
-            impl.fully_shard(b, mesh=mesh_of("1d"), mp_policy=mp)
-        impl.fully_shard(model, mesh=mesh_of("1d"), mp_policy=mp)
+            impl.fully_shard(b, mesh=mesh, mp_policy=mp)
+        impl.fully_shard(model, mesh=mesh, mp_policy=mp)
         assert type(model.blocks[0].fc1.weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -73,7 +80,9 @@ def _float8_train(model, opt, steps: int, seed: int) -> list[float]:
     import test_float8 as f8
 
     precompute_float8_dynamic_scale_for_fsdp(model)  # the scales of the (possibly just loaded) weights
-    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    # the TP ranks of a data-parallel rank share its batch
+    dp_rank = model.head.weight.device_mesh.get_local_rank()
+    gen = torch.Generator().manual_seed(seed + dp_rank)
     losses = []
     for _ in range(steps):
         loss = model(torch.randn(32, f8.DIM, generator=gen)).float().pow(2).mean()
@@ -85,22 +94,30 @@ def _float8_train(model, opt, steps: int, seed: int) -> list[float]:
     return losses
 
 
-def _check_float8(save: str, load: str, root: str) -> None:
+def _check_float8(save: str, load: str, root: str, tp: bool = False) -> None:
     impls = {"fsdp_native": load_impl(), "torch": ref_impl()}
     path = os.path.join(root, f"float8-{save}-{load}")
-    want, got = _resume(_float8_builder(impls[save]), _float8_builder(impls[load]), _float8_train, path)
-    assert_close(f"[Float8 saved by {save}, resumed by {load}] losses", got, want, EXACT)
+    want, got = _resume(_float8_builder(impls[save], tp), _float8_builder(impls[load], tp), _float8_train, path)
+    assert_close(f"[Float8{' + TP' if tp else ''} saved by {save}, resumed by {load}] losses", got, want, EXACT)
 
 
-def _float8_grid(root: str) -> None:
+def _float8_grid(root: str, tp: bool = False) -> None:
     pairs = [("fsdp_native", "torch"), ("torch", "fsdp_native"), ("fsdp_native", "fsdp_native")]
-    run_grid([dict(save=s, load=l, root=root) for s, l in pairs], _check_float8, name="float8-dcp")
+    run_grid([dict(save=s, load=l, root=root, tp=tp) for s, l in pairs], _check_float8, name="float8-dcp")
 
 
 def test_float8_checkpoint_across_libraries(tmp_path):
     if load_impl().name != "fsdp_native":
         pytest.skip("fsdp_native against torch FSDP2")
     run_distributed(_float8_grid, 2, str(tmp_path))
+
+
+def test_float8_tensor_parallel_checkpoint_across_libraries(tmp_path):
+    """torchtitan's Float8 + TP + FSDP layout (2 x 2): DCP checkpoints of the Float8 DTensors
+    over dp x tp, across the two libraries."""
+    if load_impl().name != "fsdp_native":
+        pytest.skip("fsdp_native against torch FSDP2")
+    run_distributed(_float8_grid, 4, str(tmp_path), True)
 
 
 # --------------------------------------------- fsdp_native's own quantized all-gather

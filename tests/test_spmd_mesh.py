@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dist_utils import _clear_dtensor_caches, assert_close, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 
@@ -185,6 +185,28 @@ def errors() -> None:
         "fully_shard: argument 'dp_mesh_dims' names mesh dim 'x', not in the mesh's ('dp', 'tp')",
         lambda: impl.fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=dims(shard="x")),
     )
+    # a local tensor with torch's all-gather extensions (torchao's Float8 weights are such)
+    lin = nn.Linear(4, 4, bias=False)
+    local = torch.Tensor._make_subclass(_WithExtensions, lin.weight.detach())
+    lin.weight = nn.Parameter(DTensor.from_local(local, mesh, (Replicate(), Replicate()), run_check=False))
+    lin.weight._local_tensor = local  # Parameter() detached it to a plain tensor (no __torch_dispatch__ here)
+    raises_exactly(
+        NotImplementedError,
+        f"fully_shard: parameter 'weight' is a DTensor on mesh {mesh} whose local tensor is a _WithExtensions with all-gather "
+        "extensions; fsdp_native composes dp_mesh_dims with plain local tensors only (tensor parallelism on a mesh of its "
+        "own composes with them)",
+        lambda: impl.fully_shard(lin, mesh=mesh, dp_mesh_dims=dims(shard="dp")),
+    )
+
+
+class _WithExtensions(torch.Tensor):
+    """A tensor subclass that declares torch's all-gather extension protocol."""
+
+    def fsdp_pre_all_gather(self, mesh):
+        return (self.as_subclass(torch.Tensor),), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return outputs[0], ()
 
 
 def _grid() -> None:
