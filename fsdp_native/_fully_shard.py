@@ -343,10 +343,11 @@ def _shard_dims(placements: list, params: list, names: list[str], info, shapes: 
                 f"of shape {tuple(shape)}, whose size {shape[d]} on dim {d} does not divide evenly over the "
                 f"{info.shard_size} shard ranks; like torch FSDP2, fsdp_native shards a dim other than 0 evenly only"
             )
-        if d and _extension.has_extension(p):
+        local = p._local_tensor if isinstance(p, DTensor) else p.data  # a TP parameter's local tensor
+        if d and _extension.has_extension(local):
             raise NotImplementedError(
                 f"fully_shard: argument 'shard_placement_fn' returned Shard({placement.dim}) for parameter '{name}', "
-                f"a {type(p.data).__name__} gathered by its fsdp_pre_all_gather; fsdp_native shards tensor-subclass "
+                f"a {type(local).__name__} gathered by its fsdp_pre_all_gather; fsdp_native shards tensor-subclass "
                 "parameters on dim 0 only"
             )
         dims.append(d)

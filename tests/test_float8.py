@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dist_utils import assert_close, full, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, full, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 from models import mesh_of
 
 pytest.importorskip("torchao", reason="torchao is a test dependency (make test installs it)")
@@ -146,6 +146,18 @@ def _check(
     assert got["layouts"] == ref["layouts"], (got["layouts"], ref["layouts"])
     for n, v in ref["params"].items():
         assert_close(f"{tag} param {n!r}", got["params"][n], v, EXACT)
+    if tp == "tp" and impl.name == "fsdp_native":  # a Float8 local tensor is chunked on dim 0 only
+        model = Model()
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _parallelize(model, mesh["tp"], sp=False)
+        raises_exactly(
+            NotImplementedError,
+            "fully_shard: argument 'shard_placement_fn' returned Shard(1) for parameter 'fc1.weight', a "
+            "WeightWithDynamicFloat8CastTensor gathered by its fsdp_pre_all_gather; fsdp_native shards tensor-subclass "
+            "parameters on dim 0 only",
+            lambda: impl.fully_shard(model.blocks[0], mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(p.ndim - 1)),
+        )
     if tp:  # the Float8 weights stay Float8 subclasses inside DTensors over dp x tp
         assert ref["layouts"]["blocks.0.fc1.weight"] == (("dp", "tp"), (_StridedShard(0, split_factor=2), Shard(0)), "WeightWithDynamicFloat8CastTensor")
         assert ref["layouts"]["blocks.0.norm.weight"] == ((("dp", "tp"), (Shard(0), Replicate()), "Tensor") if tp == "sp" else (("dp",), (Shard(0),), "Tensor"))
