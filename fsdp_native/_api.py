@@ -158,9 +158,12 @@ def resolve_param_dtypes(mp: MixedPrecisionPolicy, params: list, names: list[str
 
 
 def normalize_offload_policy(policy) -> CPUOffloadPolicy | None:
-    """Returns the CPU offload policy, or None for no offloading; rejects anything else."""
+    """Returns the CPU offload policy, or None for no offloading (``OffloadPolicy()``, or None
+    as torch FSDP2 takes it); rejects anything else."""
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPU, OffloadPolicy as TorchOffload
 
+    if policy is None:
+        return None
     if type(policy) in (CPUOffloadPolicy, TorchCPU):
         return CPUOffloadPolicy(pin_memory=bool(policy.pin_memory))
     if type(policy) in (OffloadPolicy, TorchOffload):
@@ -172,5 +175,5 @@ def normalize_offload_policy(policy) -> CPUOffloadPolicy | None:
         )
     raise TypeError(
         f"fully_shard: argument 'offload_policy' must be an OffloadPolicy (OffloadPolicy() or "
-        f"CPUOffloadPolicy()), got {type(policy).__name__}"
+        f"CPUOffloadPolicy()) or None, got {type(policy).__name__}"
     )

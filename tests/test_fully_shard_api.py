@@ -210,7 +210,9 @@ def check_no_sync():
 
 
 def check_torch_policy_objects():
-    """fsdp_native accepts torch's MixedPrecisionPolicy / CPUOffloadPolicy (one-line migration)."""
+    """fsdp_native accepts torch's MixedPrecisionPolicy / CPUOffloadPolicy (one-line migration),
+    and offload_policy=None for no offload, as torch FSDP2 takes it (veRL passes
+    ``offload_policy=None`` for the roles it does not offload)."""
     impl = load_impl()
     cfg = Cfg()
     mesh = make_mesh(cfg)
@@ -219,7 +221,9 @@ def check_torch_policy_objects():
     mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for layer in model.layers:
         impl.fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False))
-    impl.fully_shard(model, mesh=mesh, mp_policy=mp)
+    impl.fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=None)
+    if impl.name == "fsdp_native":
+        assert model._fsdp_native_unit.offload is None and model.layers[0]._fsdp_native_unit.offload is not None
     x, y = _batch(cfg)
     out = model(x)
     assert out.dtype == torch.bfloat16, f"torch MixedPrecisionPolicy(param_dtype=bf16) ignored: output {out.dtype}"

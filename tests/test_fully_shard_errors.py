@@ -22,7 +22,7 @@ ValueError = bad value, TypeError = wrong type, NotImplementedError = valid but 
                                               unit 0 '<root>': parameter 'layers.0.weight' has shape (8, 8) on
                                               ranks [0] but (9, 8) on ranks [1]; ..."  (tests/test_agreement.py)
   offload_policy of wrong type   TypeError    "fully_shard: argument 'offload_policy' must be an OffloadPolicy
-                                              (OffloadPolicy() or CPUOffloadPolicy()), got str"
+                                              (OffloadPolicy() or CPUOffloadPolicy()) or None, got str"
   unknown OffloadPolicy subclass NotImplementedError "fully_shard: argument 'offload_policy' of type
                                               MyOffloadPolicy is not supported; use OffloadPolicy() or
                                               CPUOffloadPolicy()"
@@ -144,7 +144,7 @@ def case(name):
         fs(m, mesh=mesh)
         _expect(ValueError, r"shape", lambda: m(torch.randn(2, 8)), "weight")
     elif name == "offload_policy_wrong_type":
-        _expect(TypeError, r"offload_policy", lambda: fs(MLPStack(), mesh=mesh, offload_policy="cpu"))
+        _expect(TypeError, r"offload_policy", lambda: fs(MLPStack(), mesh=mesh, offload_policy="cpu"), "or None, got str")
     elif name == "offload_policy_unsupported":
 
         class MyOffloadPolicy(impl.OffloadPolicy):
