@@ -246,14 +246,20 @@ class Unit:
                 view = self.shard_views[i]
                 if not p.is_meta and view.numel():
                     view.copy_(layout.local_chunk(i, p.detach()))
-                shape, stride = self.global_shape(i), self.tp_specs[i].stride if self.tp_specs[i] else p.stride()
-                spec = DTensor.from_local(view, self.mesh(i), self.placements(i), run_check=False, shape=shape, stride=stride)._spec
+                spec = self._sharded_dtensor(i, view, p)._spec
                 sp = nn.Parameter(make_sharded(view, spec), requires_grad=p.requires_grad)
                 sp._local_tensor = view  # Parameter() detached a copy of the wrapper: point it back at our view
                 sp._fsdp_native_unit = self  # who owns it, for the error when it is sharded again
                 self.sharded_params.append(sp)
                 for mod, name in self.owners[i]:
                     mod._parameters[name] = sp
+
+    def _sharded_dtensor(self, i: int, local: torch.Tensor, p: nn.Parameter) -> DTensor:
+        """Sharded parameter `i` over `local` (this rank's shard of `p`, the parameter as
+        fully_shard got it: a TP one's local tensor), on the unit's mesh or with the TP dims."""
+        spec = self.tp_specs[i]
+        shape, stride = self.global_shape(i), spec.stride if spec else p.stride()
+        return DTensor.from_local(local, self.mesh(i), self.placements(i), run_check=False, shape=shape, stride=stride)
 
     def placements(self, i: int) -> tuple:
         """Parameter `i`'s DTensor placements: ``Shard(d)`` on the shard mesh dim (``d`` from
@@ -300,11 +306,7 @@ class Unit:
         same_device = chunk.device.type == sd.type and sd.index in (None, chunk.device.index)
         if self.world_size > 1 and same_device and not chunk.is_meta:
             chunk = _extension.own_copy(chunk)
-        local = self._to_shard_device(chunk)
-        spec = self.tp_specs[i]
-        shape, stride = self.global_shape(i), spec.stride if spec else p.stride()
-        dt = DTensor.from_local(local, self.mesh(i), self.placements(i), run_check=False, shape=shape, stride=stride)
-        sp = nn.Parameter(dt, requires_grad=p.requires_grad)
+        sp = nn.Parameter(self._sharded_dtensor(i, self._to_shard_device(chunk), p), requires_grad=p.requires_grad)
         self.shard_views[i] = sp._local_tensor
         sp._fsdp_native_unit = self
         self.sharded_params.append(sp)
@@ -499,7 +501,9 @@ class Unit:
         flat = torch.empty(layout.unsharded_numel, dtype=layout.param_dtype, device=self.device)
         self.unsharded_flat = flat
         plain, typed = layout.unsharded_views(flat)
-        self.unsharded_params = [None if t is None else self.new_unsharded_param(i, rg, t) for i, (t, rg) in enumerate(zip(typed, layout.requires_grad))]
+        self.unsharded_params = [
+            None if t is None else self.new_unsharded_param(i, rg, t) for i, (t, rg) in enumerate(zip(typed, layout.requires_grad))
+        ]
         self._init_grad_dtypes()
         self._unsharded_plain = plain  # plain views the copy-out writes (no autograd on them)
         self._unsharded_typed = typed  # the same, typed and shaped (a strided parameter's copy-out target)
