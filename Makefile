@@ -32,8 +32,9 @@ venv: .venv/.ready
 build: .venv/.ready
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 
+# --durations: the slowest tests in the log (CI's time budget is watched from there).
 test: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 demo: build
 	bash scripts/demo.sh
