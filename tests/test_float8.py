@@ -7,6 +7,12 @@ The weights travel as float8 bytes through torchao's all-gather extension
 of every Float8Linear of a unit into its one all-gather. Losses and parameters are bit for bit
 torch FSDP2's at world size 1, 2 and HSDP 2x2, with and without the precomputed scales and
 with bf16 mixed precision; the all-gather bytes are the fp8 sizes.
+
+With tensor parallelism (torchtitan's Float8 + TP + FSDP, 2 x 2 ranks): torchao's Float8 TP
+styles make each Float8 weight a DTensor over TP whose local tensor keeps the extension, which
+fsdp_native gathers over the data-parallel mesh. Losses, parameters and placements bit for bit
+torch FSDP2's, with and without sequence parallelism (a replicated norm in the unit); such a
+weight refuses a shard dim other than 0.
 """
 from __future__ import annotations
 
@@ -131,7 +137,9 @@ def _train(
     if compile:
         assert counters["stats"]["unique_graphs"] >= 1, f"{impl.name}: nothing was compiled: {dict(counters['stats'])}"
     params = {n: full(p) for n, p in model.named_parameters()}
-    layouts = {n: (p.device_mesh.mesh_dim_names, tuple(p.placements), type(p._local_tensor).__name__) for n, p in model.named_parameters()}
+    layouts = {
+        n: (p.device_mesh.mesh_dim_names, tuple(p.placements), type(p._local_tensor).__name__) for n, p in model.named_parameters()
+    }
     return dict(losses=losses, params=params, layouts=layouts, model=model)
 
 
@@ -159,8 +167,9 @@ def _check(
             lambda: impl.fully_shard(model.blocks[0], mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(p.ndim - 1)),
         )
     if tp:  # the Float8 weights stay Float8 subclasses inside DTensors over dp x tp
-        assert ref["layouts"]["blocks.0.fc1.weight"] == (("dp", "tp"), (_StridedShard(0, split_factor=2), Shard(0)), "WeightWithDynamicFloat8CastTensor")
-        assert ref["layouts"]["blocks.0.norm.weight"] == ((("dp", "tp"), (Shard(0), Replicate()), "Tensor") if tp == "sp" else (("dp",), (Shard(0),), "Tensor"))
+        fc1 = (("dp", "tp"), (_StridedShard(0, split_factor=2), Shard(0)), "WeightWithDynamicFloat8CastTensor")
+        norm = (("dp", "tp"), (Shard(0), Replicate()), "Tensor") if tp == "sp" else (("dp",), (Shard(0),), "Tensor")
+        assert ref["layouts"]["blocks.0.fc1.weight"] == fc1 and ref["layouts"]["blocks.0.norm.weight"] == norm, ref["layouts"]
     if impl.name == "fsdp_native" and dist.get_world_size() > 1:
         import fsdp_native
 
