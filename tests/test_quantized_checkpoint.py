@@ -4,7 +4,8 @@ and any scale state are stale), train on: the losses are bit for bit the uninter
 
 * torchao Float8 training (``enable_fsdp_float8_all_gather``, precomputed scales, bf16 mixed
   precision): the weights are ``WeightWithDynamicFloat8CastTensor`` inside DTensors; saved by
-  fsdp_native and resumed by torch FSDP2, the other way round, and fsdp_native to fsdp_native.
+  fsdp_native and resumed by torch FSDP2, the other way round, and fsdp_native to fsdp_native;
+  also with tensor parallelism (2 x 2, torchao's Float8 TP styles: DTensors over dp x tp).
 * fsdp_native's own quantized all-gather (fp8 tensorwise / rowwise, NF4 on frozen blocks):
   the checkpoint holds the full-precision shards, and the all-gathers after the load quantize
   the loaded values (nothing quantized is kept across the load).

@@ -12,7 +12,7 @@ data-parallel dims and tensor parallel on the others, and the inputs are DTensor
   the reduce-scatter averages again: the unsharded model's gradient divided by the
   data-parallel size, or exactly it with ``set_gradient_divide_factor(1.0)``.
 * **Errors**, on every rank: a plain parameter, a parameter not replicated on "dp", several
-  shard dims, replication only.
+  shard dims, replication only, a local tensor with all-gather extensions.
 """
 from __future__ import annotations
 
