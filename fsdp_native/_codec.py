@@ -11,7 +11,6 @@ gathered buffer becomes the unsharded parameters. One is chosen per unit at ``fu
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -241,10 +240,10 @@ class ExtensionCodec(Codec):
         copy_out(unit, out, self.segments, outs, index)
         for i, local in enumerate(unit.shard_views):
             if layout.ext[i]:
-                unit.unsharded_params[i] = _extension.post_all_gather(
-                    local, self.states[i], layout.param_dtypes[i], unit.unsharded_params[i],
-                    functools.partial(unit.new_unsharded_param, i, unit.sharded_params[i].requires_grad),
-                )
+                current = unit.unsharded_params[i]
+                t = _extension.post_all_gather(local, self.states[i], layout.param_dtypes[i], current)
+                if current is None:
+                    unit.unsharded_params[i] = unit.new_unsharded_param(i, t, unit.sharded_params[i].requires_grad)
         return allocated
 
     def free(self) -> int:

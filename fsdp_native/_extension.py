@@ -120,11 +120,11 @@ class ExtState:
         return freed
 
 
-def post_all_gather(local: torch.Tensor, state: ExtState, param_dtype: torch.dtype, current: nn.Parameter | None, make_param):
-    """Runs ``fsdp_post_all_gather``; returns the unsharded parameter: ``make_param`` of its
-    result the first time, ``current`` refilled in place afterwards (``out=current``, as torch
-    FSDP2 passes it: with tensor parallelism a DTensor, whose local tensor torchao's Float8
-    weights update)."""
+def post_all_gather(local: torch.Tensor, state: ExtState, param_dtype: torch.dtype, current: nn.Parameter | None):
+    """Runs ``fsdp_post_all_gather``. The first time (`current` None) it returns the unsharded
+    tensor, for the caller to make the parameter of; afterwards it refills `current` in place
+    (``out=current``, as torch FSDP2 passes it: with tensor parallelism a DTensor, whose local
+    tensor torchao's Float8 weights update) and returns it."""
     outputs = state.unflattened()
     if current is not None:
         local.fsdp_post_all_gather(outputs, state.meta, param_dtype, out=current)
@@ -135,4 +135,4 @@ def post_all_gather(local: torch.Tensor, state: ExtState, param_dtype: torch.dty
             f"fsdp_native: {type(local).__name__}.fsdp_post_all_gather returned {type(res).__name__}, expected "
             "(unsharded tensor, tensors to free)"
         )
-    return make_param(res[0])
+    return res[0]

@@ -502,14 +502,14 @@ class Unit:
         self.unsharded_flat = flat
         plain, typed = layout.unsharded_views(flat)
         self.unsharded_params = [
-            None if t is None else self.new_unsharded_param(i, rg, t) for i, (t, rg) in enumerate(zip(typed, layout.requires_grad))
+            None if t is None else self.new_unsharded_param(i, t, rg) for i, (t, rg) in enumerate(zip(typed, layout.requires_grad))
         ]
         self._init_grad_dtypes()
         self._unsharded_plain = plain  # plain views the copy-out writes (no autograd on them)
         self._unsharded_typed = typed  # the same, typed and shaped (a strided parameter's copy-out target)
         flat.untyped_storage().resize_(0)  # views made; memory comes with the first unshard
 
-    def new_unsharded_param(self, i: int, requires_grad: bool, t: torch.Tensor) -> nn.Parameter:
+    def new_unsharded_param(self, i: int, t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """Parameter `i`'s unsharded parameter over `t`: a DTensor over the TP mesh for a
         tensor-parallel parameter (`t` its TP-local tensor), else `t` itself."""
         spec = self.tp_specs[i]
