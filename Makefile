@@ -8,7 +8,7 @@ ACCELERATE_VERSION ?= 1.15.0
 # PEFT: LoRA fine-tuning through the Trainer (tests/test_hf_peft.py).
 PEFT_VERSION ?= 0.21.2
 # Lightning Fabric's ModelParallelStrategy (tests/test_lightning.py).
-LIGHTNING_VERSION ?= 2.6.0
+LIGHTNING_VERSION ?= 2.6.6
 # TRL: its DPO and GRPO trainers over the Trainer's FSDP2 path (tests/test_trl.py).
 TRL_VERSION ?= 1.16.0
 # torchao: NF4 / Float8 tensor subclasses for the all-gather extension tests (tests/test_extension.py).

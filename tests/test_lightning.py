@@ -28,7 +28,7 @@ from models import ResidualMLP
 from test_hf_common import assert_same, set_launcher_env
 
 # The version the test was written and run against (the Makefile installs it).
-LIGHTNING_VERSION = "2.6.0"
+LIGHTNING_VERSION = "2.6.6"
 
 DIM, STEPS, ACCUM, SAVE_AT = 16, 4, 2, 2
 
