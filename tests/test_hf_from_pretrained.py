@@ -4,8 +4,11 @@ model's ``_fsdp_plan``: decoder layers, the embedding / final norm / output laye
 root). A tiny Llama saved locally (no Hub) is loaded and trained on 2 CPU ranks once with
 torch's ``fully_shard`` and once under ``fsdp_native.integrations.use_with_accelerate``, in
 the same spawn: the loaded parameters, the losses and the trained parameters are bitwise
-equal, with and without ``fsdp_mixed_precision``, and with HSDP (``dp_replicate_size=2``) on
-4 ranks. With a quantized all-gather the decoder layers gather fp8 and the other units full
+equal, with and without ``fsdp_mixed_precision``, with HSDP (``dp_replicate_size=2``) and
+with tensor parallelism (``tp_size=2``, Transformers' own TP plan, with and without sequence
+parallelism) on 4 ranks. ``fsdp_cpu_offload=True`` (``CPUOffloadPolicy()``, whose pinned memory
+torch FSDP2 cannot allocate without an accelerator) trains with torch FSDP2's numbers without
+offload. With a quantized all-gather the decoder layers gather fp8 and the other units full
 precision."""
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ def _saved_model() -> str:
     return path
 
 
-def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None, replicas: int = 1):
-    """Load with distributed_config, train ``steps`` AdamW steps; (loaded params, losses, params)."""
+def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None, replicas: int = 1, tp: int = 1, **dc):
+    """Load with distributed_config (``dc``: more of its fields), train ``steps`` AdamW steps;
+    (loaded params, losses, params)."""
     import torch.distributed as dist
     from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
@@ -42,7 +46,9 @@ def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None, r
     path = _saved_model()
     handle = fi.use_with_accelerate(cpu=True, all_gather=all_gather) if impl == "native" else contextlib.nullcontext()
     with handle:
-        cfg = DistributedConfig(fsdp_size=world // replicas, dp_replicate_size=replicas, fsdp_mixed_precision=mp)
+        if tp > 1:
+            dc.update(tp_size=tp)
+        cfg = DistributedConfig(fsdp_size=world // replicas // tp, dp_replicate_size=replicas, fsdp_mixed_precision=mp, **dc)
         model = LlamaForCausalLM.from_pretrained(path, distributed_config=cfg)
         check_impl(model, impl)
         loaded = full_params(model)
@@ -52,15 +58,20 @@ def _run(impl: str, mp: bool, steps: int = 3, all_gather=None, on_loaded=None, r
     return loaded, losses, params
 
 
-def _parity(mp: bool, replicas: int = 1) -> None:
+def _parity(mp: bool, replicas: int = 1, tp: int = 1, offload: bool = False, **dc) -> None:
+    """``offload``: fsdp_native with fsdp_cpu_offload=True against torch FSDP2 without."""
     import torch.distributed as dist
 
     meshes = []
-    record = lambda model: meshes.append(tuple(next(model.parameters()).device_mesh.shape))  # noqa: E731
-    ref = _run("torch", mp, replicas=replicas, on_loaded=record)
-    got = _run("native", mp, replicas=replicas, on_loaded=record)
-    want = (replicas, dist.get_world_size() // replicas) if replicas > 1 else (dist.get_world_size(),)
-    assert meshes == [want, want], meshes
+    record = lambda model: meshes.append(  # noqa: E731
+        [(n, tuple(p.device_mesh.shape), tuple(p.placements)) for n, p in model.named_parameters()]
+    )
+    ref = _run("torch", mp, replicas=replicas, tp=tp, on_loaded=record, **dc)
+    got = _run("native", mp, replicas=replicas, tp=tp, on_loaded=record, fsdp_cpu_offload=offload, **dc)
+    want = (replicas, dist.get_world_size() // replicas) if replicas > 1 else (dist.get_world_size() // tp, tp) if tp > 1 else (dist.get_world_size(),)
+    # TP: the Linears and embeddings on the 2-D mesh, the norms (no TP plan) on FSDP's dim only
+    assert {m for _, m, _ in meshes[0]} == ({want, want[:1]} if tp > 1 else {want}), meshes[0]
+    assert meshes[1] == meshes[0], (meshes[1], meshes[0])  # meshes and placements, parameter by parameter
     assert_same("loaded parameters", got[0], ref[0])
     assert_same("losses", got[1], ref[1])
     assert_same("trained parameters", got[2], ref[2])
@@ -93,7 +104,7 @@ def _quantized() -> None:
 
 def _grid():
     set_launcher_env()
-    run_grid([dict(mp=False), dict(mp=True)], _parity, name="from_pretrained(distributed_config)")
+    run_grid([dict(mp=False), dict(mp=True), dict(mp=True, offload=True)], _parity, name="from_pretrained(distributed_config)")
     run_grid([{}], _quantized, name="from_pretrained quantized all-gather")
 
 
@@ -101,11 +112,14 @@ def test_from_pretrained_distributed_config_parity_ws2():
     run_distributed(_grid, 2, timeout=400)
 
 
-def _grid_hsdp():
+def _grid_4_ranks():
     set_launcher_env()
     run_grid([dict(mp=True, replicas=2)], _parity, name="from_pretrained(distributed_config) HSDP 2x2")
+    run_grid([dict(mp=True, tp=2), dict(mp=False, tp=2, enable_sequence_parallel=True)], _parity,
+             name="from_pretrained(distributed_config) FSDP 2 x TP 2")  # fmt: skip
 
 
-def test_from_pretrained_distributed_config_hsdp_2x2():
-    """dp_replicate_size=2, fsdp_size=2: a 2-D mesh, reduce-scatter then all-reduce."""
-    run_distributed(_grid_hsdp, 4, timeout=400)
+def test_from_pretrained_distributed_config_hsdp_and_tp_2x2():
+    """dp_replicate_size=2, fsdp_size=2: a 2-D mesh, reduce-scatter then all-reduce. tp_size=2,
+    fsdp_size=2: Transformers' TP plan on the "tp" dim, FSDP on the other."""
+    run_distributed(_grid_4_ranks, 4, timeout=400)
