@@ -6,7 +6,7 @@ torch's ``fully_shard`` and once under ``fsdp_native.integrations.use_with_accel
 the same spawn: the loaded parameters, the losses and the trained parameters are bitwise
 equal, with and without ``fsdp_mixed_precision``, with HSDP (``dp_replicate_size=2``) and
 with tensor parallelism (``tp_size=2``, Transformers' own TP plan, with and without sequence
-parallelism) on 4 ranks. ``fsdp_cpu_offload=True`` (``CPUOffloadPolicy()``, whose pinned memory
+parallelism) on 4 ranks, and a tiny Qwen3-MoE with expert parallelism (``ep_size=2``) on 4. ``fsdp_cpu_offload=True`` (``CPUOffloadPolicy()``, whose pinned memory
 torch FSDP2 cannot allocate without an accelerator) trains with torch FSDP2's numbers without
 offload. With a quantized all-gather the decoder layers gather fp8 and the other units full
 precision."""
@@ -18,17 +18,32 @@ import os
 import pytest
 
 from dist_utils import ctx, full_params, run_distributed, run_grid
-from test_hf_common import assert_same, check_impl, set_launcher_env, tiny_llama, token_batches, train_steps
+from test_hf_common import VOCAB, assert_same, check_impl, set_launcher_env, tiny_llama, token_batches, train_steps
 
 pytest.importorskip("transformers.distributed.fsdp", reason="a Transformers with its own FSDP2 path (5.x)")
 
 
-def _saved_model() -> str:
+def _tiny_moe():
+    """A Qwen3-MoE of the tiny Llama's size: 4 experts of which 2 per token, in both layers."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64, tie_word_embeddings=False,
+        use_cache=False, attn_implementation="eager",
+    )  # fmt: skip
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def _saved_model(kind: str = "llama") -> str:
     import torch.distributed as dist
 
-    path = os.path.join(ctx().tmpdir, "tiny-llama")
+    path = os.path.join(ctx().tmpdir, f"tiny-{kind}")
     if dist.get_rank() == 0 and not os.path.exists(path):
-        tiny_llama(0).save_pretrained(path)
+        (tiny_llama(0) if kind == "llama" else _tiny_moe()).save_pretrained(path)
     dist.barrier()
     return path
 
@@ -80,6 +95,35 @@ def _parity(mp: bool, replicas: int = 1, tp: int = 1, offload: bool = False, **d
         assert_same("loaded vs saved", got[0], want)
 
 
+def _expert_parallel() -> None:
+    """Transformers' expert parallelism next to FSDP, 4 ranks: ``fsdp_size=4, ep_size=2`` with
+    all-to-all token dispatch. The experts are sharded on the (ep 2, efsdp 2) mesh, with
+    ``set_gradient_divide_factor(4)`` and ``set_force_sum_reduction_for_comms(True)``; the
+    dense modules on FSDP's 4 ranks. Meshes and placements, loaded parameters, losses and
+    trained parameters: torch FSDP2's, bit for bit."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import fsdp_native.integrations as fi
+
+    path = _saved_model("moe")
+    runs = []
+    for impl in ("torch", "native"):
+        handle = fi.use_with_accelerate(cpu=True) if impl == "native" else contextlib.nullcontext()
+        with handle:
+            cfg = DistributedConfig(fsdp_size=4, ep_size=2, ep_implementation="all_to_all")
+            model = AutoModelForCausalLM.from_pretrained(path, distributed_config=cfg)
+            check_impl(model, impl)
+            layout = [(n, tuple(p.device_mesh.shape), tuple(p.placements)) for n, p in model.named_parameters()]
+            loaded = full_params(model)
+            runs.append((layout, loaded, *train_steps(model, 3)))
+    (layout, *ref), (got_layout, *got) = runs
+    assert {m for _, m, _ in layout} == {(2, 2), (4,)}, layout
+    assert got_layout == layout, (got_layout, layout)
+    for what, a, b in zip(("loaded parameters", "losses", "trained parameters"), got, ref):
+        assert_same(what, a, b)
+
+
 def _quantized() -> None:
     import torch
 
@@ -117,9 +161,11 @@ def _grid_4_ranks():
     run_grid([dict(mp=True, replicas=2)], _parity, name="from_pretrained(distributed_config) HSDP 2x2")
     run_grid([dict(mp=True, tp=2), dict(mp=False, tp=2, enable_sequence_parallel=True)], _parity,
              name="from_pretrained(distributed_config) FSDP 2 x TP 2")  # fmt: skip
+    run_grid([{}], _expert_parallel, name="from_pretrained(distributed_config) MoE, FSDP 4, EP 2")
 
 
-def test_from_pretrained_distributed_config_hsdp_and_tp_2x2():
+def test_from_pretrained_distributed_config_4_ranks():
     """dp_replicate_size=2, fsdp_size=2: a 2-D mesh, reduce-scatter then all-reduce. tp_size=2,
-    fsdp_size=2: Transformers' TP plan on the "tp" dim, FSDP on the other."""
+    fsdp_size=2: Transformers' TP plan on the "tp" dim, FSDP on the other. A MoE with expert
+    parallelism (ep_size=2)."""
     run_distributed(_grid_4_ranks, 4, timeout=400)
