@@ -2,8 +2,10 @@
 LlamaConfig, no Hub) trained through ``Accelerator.prepare`` on 2 CPU ranks (and HSDP 2x2 on 4),
 once with torch's fully_shard and once with fsdp_native's (fsdp_native.integrations), in the
 same spawn; losses and parameters must be bitwise equal. Checkpoints (save_state/load_state,
-sharded and full) move between the two libraries both ways. With ``mixed_precision="fp8"``
-(torchao Float8 through ``AORecipeKwargs``, fp8 all-gathers) the runs match too."""
+sharded and full) move between the two libraries both ways, and the exports a script ends with
+are torch's bit for bit: ``get_state_dict``, ``save_model`` (safetensors) and
+``merge_fsdp_weights`` of a sharded checkpoint. With ``mixed_precision="fp8"`` (torchao Float8
+through ``AORecipeKwargs``, fp8 all-gathers) the runs match too."""
 from __future__ import annotations
 
 import os
@@ -39,10 +41,12 @@ def accelerate_run(
     hsdp=False,
     all_gather=None,
     on_prepared=None,
+    on_trained=None,
     model_dtype=None,
 ):
     """Train ``steps`` optimizer steps (from step ``start``); returns (losses, full params).
-    ``on_prepared(model, batch)`` runs right after ``Accelerator.prepare``."""
+    ``on_prepared(model, batch)`` runs right after ``Accelerator.prepare``, ``on_trained(acc,
+    model)`` after the last step."""
     import torch
     import torch.distributed as dist
 
@@ -103,6 +107,8 @@ def accelerate_run(
             losses.append(out.loss.detach().float().clone())
             if save_dir is not None and i + 1 == save_after * ga:
                 acc.save_state(save_dir)
+        if on_trained is not None:
+            on_trained(acc, model)
         params = full_params(model)
         acc.free_memory()
     return losses, params
@@ -170,21 +176,75 @@ def _quantized(fmt: str) -> None:
     assert worst < 0.05, f"{fmt}: losses differ from the unquantized run's by {worst:.4f}: {got[0]} vs {ref[0]}"
 
 
+def _exporter(into: dict, out_dir: str):
+    """on_trained for accelerate_run: the trained model as a script exports it at the end,
+    ``Accelerator.get_state_dict`` (rank 0's full state dict) and ``Accelerator.save_model``
+    (safetensors, read back on rank 0), into ``into``."""
+
+    def export(acc, model):
+        import torch.distributed as dist
+        from safetensors.torch import load_file
+
+        state = acc.get_state_dict(model)
+        acc.save_model(model, out_dir)
+        acc.wait_for_everyone()
+        if dist.get_rank() == 0:
+            into["get_state_dict"] = {k: v.clone() for k, v in state.items()}
+            into["save_model"] = load_file(os.path.join(out_dir, "model.safetensors"))
+            assert into["get_state_dict"].keys() == into["save_model"].keys() and len(state) == 21, sorted(state)
+
+    return export
+
+
+def _merge_fsdp_weights(checkpoints: dict[str, str]) -> dict:
+    """Accelerate's ``merge_fsdp_weights`` (``accelerate merge-weights``) of each sharded model
+    checkpoint, run as that CLI runs: a process of its own, no process group. {impl: merged
+    safetensors, read back}."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    code = "import sys; from accelerate.utils import merge_fsdp_weights\n" + "".join(
+        f"merge_fsdp_weights({src!r}, {src + '-merged'!r}, safe_serialization=True)\n" for src in checkpoints.values()
+    )
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return {impl: load_file(os.path.join(src + "-merged", "model.safetensors")) for impl, src in checkpoints.items()}
+
+
 def _checkpoint(state_dict_type):
     """Save with one library after 2 steps, load with the other, train 2 more: both resumed runs
-    match the uninterrupted runs bit for bit."""
+    match the uninterrupted runs bit for bit. The uninterrupted runs' exports are equal too, and
+    so are the merged sharded checkpoints."""
     import torch.distributed as dist
 
     c = ctx()
     base = os.path.join(c.tmpdir, state_dict_type)
     dirs = {impl: f"{base}-{impl}" for impl in ("torch", "native")}
+    exports: dict[str, dict] = {"torch": {}, "native": {}}
     whole = {
-        impl: accelerate_run(impl, steps=4, state_dict_type=state_dict_type, save_after=2, save_dir=dirs[impl])
+        impl: accelerate_run(impl, steps=4, state_dict_type=state_dict_type, save_after=2, save_dir=dirs[impl],
+                             on_trained=_exporter(exports[impl], f"{dirs[impl]}-export"))  # fmt: skip
         for impl in ("torch", "native")
     }
     assert_same("uninterrupted losses", whole["native"][0], whole["torch"][0])
     assert_same("uninterrupted parameters", whole["native"][1], whole["torch"][1])
-    dist.barrier()
+    failure = [None]
+    if dist.get_rank() == 0:  # the exports exist there; its verdict goes to every rank (no hang)
+        try:
+            for what in ("get_state_dict", "save_model"):
+                assert_same(what, exports["native"][what], exports["torch"][what])
+            if state_dict_type == "SHARDED_STATE_DICT":
+                merged = _merge_fsdp_weights({impl: os.path.join(d, "pytorch_model_fsdp_0") for impl, d in dirs.items()})
+                assert len(merged["torch"]) == 21, sorted(merged["torch"])
+                assert_same("merge_fsdp_weights", merged["native"], merged["torch"])
+        except AssertionError as e:
+            failure[0] = f"rank 0: {e}"
+    dist.broadcast_object_list(failure, src=0)
+    assert failure[0] is None, failure[0]
     for saver, loader in (("torch", "native"), ("native", "torch")):
         losses, params = accelerate_run(
             loader, steps=2, start=2, state_dict_type=state_dict_type, load_dir=dirs[saver]
