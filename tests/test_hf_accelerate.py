@@ -205,7 +205,7 @@ def _merge_fsdp_weights(checkpoints: dict[str, str]) -> dict:
 
     from safetensors.torch import load_file
 
-    code = "import sys; from accelerate.utils import merge_fsdp_weights\n" + "".join(
+    code = "from accelerate.utils import merge_fsdp_weights\n" + "".join(
         f"merge_fsdp_weights({src!r}, {src + '-merged'!r}, safe_serialization=True)\n" for src in checkpoints.values()
     )
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
