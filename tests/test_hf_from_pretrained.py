@@ -6,9 +6,9 @@ torch's ``fully_shard`` and once under ``fsdp_native.integrations.use_with_accel
 the same spawn: the loaded parameters, the losses and the trained parameters are bitwise
 equal, with and without ``fsdp_mixed_precision``, with HSDP (``dp_replicate_size=2``) and
 with tensor parallelism (``tp_size=2``, Transformers' own TP plan, with and without sequence
-parallelism) on 4 ranks, and a tiny Qwen3-MoE with expert parallelism (``ep_size=2``) on 4. ``fsdp_cpu_offload=True`` (``CPUOffloadPolicy()``, whose pinned memory
-torch FSDP2 cannot allocate without an accelerator) trains with torch FSDP2's numbers without
-offload. With a quantized all-gather the decoder layers gather fp8 and the other units full
+parallelism) on 4 ranks, and a tiny Qwen3-MoE with expert parallelism (``ep_size=2``) on 4.
+``fsdp_cpu_offload=True`` (``CPUOffloadPolicy()``, whose pinned memory torch FSDP2 cannot
+allocate without an accelerator) trains with torch FSDP2's numbers without offload. With a quantized all-gather the decoder layers gather fp8 and the other units full
 precision."""
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ def _parity(mp: bool, replicas: int = 1, tp: int = 1, offload: bool = False, **d
     )
     ref = _run("torch", mp, replicas=replicas, tp=tp, on_loaded=record, **dc)
     got = _run("native", mp, replicas=replicas, tp=tp, on_loaded=record, fsdp_cpu_offload=offload, **dc)
-    want = (replicas, dist.get_world_size() // replicas) if replicas > 1 else (dist.get_world_size() // tp, tp) if tp > 1 else (dist.get_world_size(),)
+    world = dist.get_world_size()
+    want = (replicas, world // replicas) if replicas > 1 else (world // tp, tp) if tp > 1 else (world,)
     # TP: the Linears and embeddings on the 2-D mesh, the norms (no TP plan) on FSDP's dim only
     assert {m for _, m, _ in meshes[0]} == ({want, want[:1]} if tp > 1 else {want}), meshes[0]
     assert meshes[1] == meshes[0], (meshes[1], meshes[0])  # meshes and placements, parameter by parameter
