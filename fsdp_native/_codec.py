@@ -205,6 +205,8 @@ class ExtensionCodec(Codec):
                 if self.staged:
                     local = local.to(unit.device, non_blocking=True)
                 inners, meta = _extension.pre_all_gather(local, mesh, layout.shapes[i], mod, unit.mp)
+                if i in layout.strided:
+                    _check_strided_inners(layout, i, inners, unit.owners[i][0])
                 state = self.states[i]
                 state.sizes, state.meta = [t.shape for t in inners], meta
                 state.ensure_outputs(inners, layout.world_size)  # made (or checked) now, allocated at the copy-out
@@ -225,29 +227,62 @@ class ExtensionCodec(Codec):
 
     def copy_out(self, unit, out: torch.Tensor) -> int:
         """Copies the gathered bytes into the plain parameters and into each subclass
-        parameter's persistent outputs, then runs its fsdp_post_all_gather."""
+        parameter's persistent outputs, then runs its fsdp_post_all_gather.
+
+        A subclass parameter sharded on dim d > 0 gathers its inner tensors rank after rank,
+        as for dim 0; each is then put together along d in its output (as torch FSDP2 does,
+        through a temporary), and the first unsharded tensor its fsdp_post_all_gather returns
+        is viewed in the parameter's shape (torch FSDP2's ``as_strided``)."""
         layout = self.layout
-        outs, index, allocated = [], [], 0
+        strided = set(layout.strided)
+        outs, index, allocated, gathered = [], [], 0, []
         for i, view in enumerate(unit._unsharded_plain):
             if layout.ext[i]:
                 state = self.states[i]
                 allocated += state.alloc()
-                outs += [o.view(torch.uint8) for o in state.outputs]
-                index += [None] * len(state.outputs)
+                for o in state.outputs:
+                    if i in strided:  # gathered rank by rank into a temporary, then along dim d
+                        gathered.append((i, torch.empty_like(o), o))
+                        o = gathered[-1][1]
+                    outs.append(o.view(torch.uint8))
+                    index.append(None)
             else:
                 outs.append(view)
                 index.append(i)
         copy_out(unit, out, self.segments, outs, index)
+        for i, tmp, o in gathered:
+            shape, d, ws = layout.local_shape(i), layout.dims[i], layout.world_size
+            with torch.autograd._unsafe_preserve_version_counter(o):
+                o.view(*shape[:d], ws, shape[d], *shape[d + 1 :]).movedim(d, 0).copy_(tmp.view(ws, *shape))
+        del gathered
         for i, local in enumerate(unit.shard_views):
             if layout.ext[i]:
                 current = unit.unsharded_params[i]
                 t = _extension.post_all_gather(local, self.states[i], layout.param_dtypes[i], current)
                 if current is None:
+                    if i in strided and t.shape != layout.shapes[i]:
+                        t = torch.as_strided(t, layout.shapes[i], torch.empty(layout.shapes[i], device="meta").stride(), 0)
                     unit.unsharded_params[i] = unit.new_unsharded_param(i, t, unit.sharded_params[i].requires_grad)
         return allocated
 
     def free(self) -> int:
         return sum(st.free() for st in self.states if st is not None)
+
+
+def _check_strided_inners(layout: Layout, i: int, inners: list[torch.Tensor], owner) -> None:
+    """A subclass parameter sharded on dim d > 0: each tensor its fsdp_pre_all_gather returns
+    must hold as many elements as its shard, which torch FSDP2 also requires to put the
+    gathered tensors together along d (it raises a view error)."""
+    shape = layout.local_shape(i)
+    n = math.prod(shape)
+    if any(t.numel() != n for t in inners):
+        mod, name = owner
+        raise NotImplementedError(
+            f"fsdp_native: parameter '{name}' of {type(mod).__name__} is sharded on dim {layout.dims[i]}, and its "
+            f"fsdp_pre_all_gather returned all-gather inputs of shapes {[tuple(t.shape) for t in inners]}; a "
+            f"tensor-subclass parameter sharded on a dim other than 0 must gather tensors of its shard's {n} "
+            f"elements (shape {tuple(shape)})"
+        )
 
 
 _CHUNK_ALIGN = 16  # bytes: a quantized unit's chunk of each rank (QuantCodec)
@@ -434,17 +469,18 @@ def _quant_codec(
     return cls(layout, policy, q, device, staged) if q else None
 
 
-def check_extension_params(params, owners, ext, world_size: int, post_forward) -> None:
+def check_extension_params(params, owners, ext, dims, world_size: int, post_forward) -> None:
     """What fsdp_native supports of torch's all-gather extension protocol, checked at
-    fully_shard: dim 0 divisible by the shard world size (each rank's inner tensors must have
-    equal sizes), no int reshard_after_forward (torch FSDP2 raises NotImplementedError for it
-    in the backward's all-gather)."""
-    for p, owner, e in zip(params, owners, ext):
+    fully_shard: the shard dim divisible by the shard world size (each rank's inner tensors
+    must have equal sizes; a dim other than 0 was checked with the placement), no int
+    reshard_after_forward (torch FSDP2 raises NotImplementedError for it in the backward's
+    all-gather)."""
+    for p, owner, e, d in zip(params, owners, ext, dims):
         if not e:
             continue
         mod, name = owner[0]
         where = f"parameter '{name}' of {type(mod).__name__} ({type(p).__name__})"
-        if p.dim() == 0 or p.shape[0] % world_size:
+        if d == 0 and (p.dim() == 0 or p.shape[0] % world_size):
             raise ValueError(
                 f"fully_shard: {where} has shape {tuple(p.shape)}; a tensor-subclass parameter with "
                 f"fsdp_pre_all_gather needs dim 0 divisible by the shard world size {world_size}"

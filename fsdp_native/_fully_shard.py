@@ -345,11 +345,16 @@ def _shard_dims(placements: list, params: list, names: list[str], info, shapes: 
             )
         local = p._local_tensor if isinstance(p, DTensor) else p.data  # a TP parameter's local tensor
         if d and _extension.has_extension(local):
-            raise NotImplementedError(
+            what = (
                 f"fully_shard: argument 'shard_placement_fn' returned Shard({placement.dim}) for parameter '{name}', "
-                f"a {type(local).__name__} gathered by its fsdp_pre_all_gather; fsdp_native shards tensor-subclass "
-                "parameters on dim 0 only"
+                f"a {type(local).__name__} gathered by its fsdp_pre_all_gather"
             )
+            if isinstance(p, DTensor):
+                raise NotImplementedError(f"{what}; fsdp_native shards tensor-parallel tensor-subclass parameters on dim 0 only")
+            try:  # as torch FSDP2, a subclass sharded on dim d is split there (torchao's NF4 cannot be)
+                torch.chunk(local, info.shard_size, dim=d)
+            except Exception as e:  # noqa: BLE001 - the subclass's own error, named
+                raise NotImplementedError(f"{what}, which cannot be split on dim {d}: {type(e).__name__}: {e}") from e
         dims.append(d)
     return dims
 

@@ -204,7 +204,7 @@ class Unit:
         owners, mp, post_forward = self.owners, self.mp, self.post_forward
         self.layout = layout = Layout(params, self.world_size, self.rank, param_dtypes, ext, self.shard_dims)
         if layout.has_ext and ext is None:
-            _codec.check_extension_params(params, owners, layout.ext, self.world_size, post_forward)
+            _codec.check_extension_params(params, owners, layout.ext, layout.dims, self.world_size, post_forward)
         # The reduce dtype the policy fixes (None: that of the gradients, checked when they are
         # reduced). reduce_dtype=None follows the installed torch (_compat.REDUCE_IN_ORIG_DTYPE).
         self.policy_reduce_dtype = mp.reduce_dtype
@@ -296,15 +296,17 @@ class Unit:
         return t.pin_memory() if self._pin and not t.is_pinned() else t
 
     def _shard_extension(self, i: int, p: nn.Parameter) -> None:
-        """A subclass parameter keeps its own rank-local shard (dim 0 divides evenly), on the
-        CPU with CPU offload (as torch FSDP2: its fsdp_pre_all_gather then runs on a copy
-        moved to the device). A chunk still on its device is copied: as a view it would keep
-        the whole unsharded tensor's storage alive (torchao's NF4 chunks are views of every
-        inner tensor)."""
-        chunk = torch.chunk(p.detach(), self.world_size, dim=0)[self.rank]
+        """A subclass parameter keeps its own rank-local shard (its shard dim divides evenly),
+        on the CPU with CPU offload (as torch FSDP2: its fsdp_pre_all_gather then runs on a
+        copy moved to the device). A chunk still on its device is copied: as a view it would
+        keep the whole unsharded tensor's storage alive (torchao's NF4 chunks are views of
+        every inner tensor). So is a chunk of a dim other than 0, whose inner tensors must be
+        contiguous."""
+        d = self.layout.dims[i]
+        chunk = torch.chunk(p.detach(), self.world_size, dim=d)[self.rank]
         sd = self.shard_device
         same_device = chunk.device.type == sd.type and sd.index in (None, chunk.device.index)
-        if self.world_size > 1 and same_device and not chunk.is_meta:
+        if self.world_size > 1 and (same_device or d) and not chunk.is_meta:
             chunk = _extension.own_copy(chunk)
         sp = nn.Parameter(self._sharded_dtensor(i, self._to_shard_device(chunk), p), requires_grad=p.requires_grad)
         self.shard_views[i] = sp._local_tensor

@@ -359,8 +359,47 @@ def _check_ao(recipe: str, mp: bool, reshard: bool) -> None:
             assert_close(f"{tag} {n} {name} (this rank's shard)", got["params"][n][name], v, EXACT)
 
 
+def _check_ao_dim1() -> None:
+    """These weights sharded on dim 1 (``shard_placement_fn``), which torch FSDP2 cannot run
+    either: INT8's cannot be split there (fully_shard names the parameter and passes torchao's
+    reason on), and BitNet's packed data does not hold a shard's elements (torch FSDP2 fails
+    in its copy-out with "shape '[128, 16]' is invalid for input of size 512"; fsdp_native
+    says why at the first all-gather, on every rank)."""
+    from torch.distributed.tensor import Shard
+    from torchao import quantize_
+    from torchao.prototype import quantized_training as qt
+
+    impl = load_impl()
+    if impl.name != "fsdp_native":
+        return
+    dim1 = dict(shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    for recipe, config in (("int8", qt.int8_weight_only_quantized_training), ("bitnet", qt.bitnet_training)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+        quantize_(model[0], config())
+        if recipe == "int8":
+            raises_exactly(
+                NotImplementedError,
+                "fully_shard: argument 'shard_placement_fn' returned Shard(1) for parameter 'weight', a "
+                "Int8QuantizedTrainingLinearWeight gathered by its fsdp_pre_all_gather, which cannot be split on dim 1: "
+                "NotImplementedError: Int8QTLinearWeight only supports split at dim=0",
+                lambda: impl.fully_shard(model[0], **dim1),
+            )
+            continue
+        impl.fully_shard(model[0], **dim1)
+        impl.fully_shard(model)
+        raises_exactly(
+            NotImplementedError,
+            "fsdp_native: parameter 'weight' of FSDPLinear is sharded on dim 1, and its fsdp_pre_all_gather returned "
+            "all-gather inputs of shapes [(64, 4)]; a tensor-subclass parameter sharded on a dim other than 0 must "
+            "gather tensors of its shard's 1024 elements (shape (64, 16))",
+            lambda: model(torch.randn(4, 32)),
+        )
+
+
 def _grid_ao():
     run_grid(grid(recipe=["int8", "int8_mixed", "bitnet"], mp=[False, True], reshard=[True]) + [dict(recipe="int8", mp=True, reshard=False)], _check_ao, name="torchao-training")
+    run_grid([{}], _check_ao_dim1, name="torchao-training on dim 1")
 
 
 def test_torchao_quantized_training_parity_world_size_2():

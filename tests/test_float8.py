@@ -162,8 +162,8 @@ def _check(
         raises_exactly(
             NotImplementedError,
             "fully_shard: argument 'shard_placement_fn' returned Shard(1) for parameter 'fc1.weight', a "
-            "WeightWithDynamicFloat8CastTensor gathered by its fsdp_pre_all_gather; fsdp_native shards tensor-subclass "
-            "parameters on dim 0 only",
+            "WeightWithDynamicFloat8CastTensor gathered by its fsdp_pre_all_gather; fsdp_native shards tensor-parallel "
+            "tensor-subclass parameters on dim 0 only",
             lambda: impl.fully_shard(model.blocks[0], mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(p.ndim - 1)),
         )
     if tp:  # the Float8 weights stay Float8 subclasses inside DTensors over dp x tp

@@ -91,9 +91,24 @@ def _compare(what: str, a: dict, b: dict) -> None:
 
 
 # --- MoE experts -----------------------------------------------------------------------------
-def _moe(impl, mesh, dim: int, mp: bool, reshard, accum: int, n_experts: int = 2) -> dict:
+def _ao_experts(model) -> None:
+    """torchtitan's float8 grouped-GEMM converter (``quantize.grouped_mm.float8``): torchao's
+    ``Float8TrainingOpConfig`` wraps each expert weight in a ``Float8TrainingWeightWrapperTensor``,
+    whose all-gather extension gathers its data in the compute dtype. (Its fp8 grouped GEMM
+    needs CUDA; these experts' einsums run through the wrapper as plain ops.)"""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda mod, fqn: isinstance(mod, Experts))
+    kinds = {type(e.w1.data).__name__ for e in model.modules() if isinstance(e, Experts)}
+    assert kinds == {"Float8TrainingWeightWrapperTensor"}, kinds
+
+
+def _moe(impl, mesh, dim: int, mp: bool, reshard, accum: int, n_experts: int = 2, ao: bool = False) -> dict:
     torch.manual_seed(0)
     model = MoE(n_experts=n_experts)
+    if ao:
+        _ao_experts(model)
     ws = mesh.size(mesh.ndim - 1)
     kw = dict(mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=experts_fn(dim, ws))
     if mp:
@@ -104,16 +119,24 @@ def _moe(impl, mesh, dim: int, mp: bool, reshard, accum: int, n_experts: int = 2
     impl.fully_shard(model, **kw)
     res = _train(model, accum=accum)
     res["placements"] = placements_of(model)
+    res["locals"] = {n: (type(p.to_local()).__name__, tuple(p.to_local().shape)) for n, p in model.named_parameters()}
+    if ao:  # the wrapped experts' full values (_train keeps plain parameters only)
+        res["params"].update({n: full(p).float() for n, p in model.named_parameters() if n.endswith((".w1", ".w2", ".w3"))})
     return res
 
 
-def check_moe(dim: int, mp: bool = False, reshard=True, accum: int = 1, hsdp: bool = False, n_experts: int = 2) -> None:
+def check_moe(dim: int, mp: bool = False, reshard=True, accum: int = 1, hsdp: bool = False, n_experts: int = 2, ao: bool = False) -> None:
+    """``ao``: the expert weights are torchao's MoE training subclass (:func:`_ao_experts`),
+    sharded on dim `dim` by their all-gather extension."""
     ws = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("r", "s")) if hsdp else init_device_mesh("cpu", (ws,))
     impl, torch_impl = load_impl(), ref_impl()
-    b = _moe(torch_impl, mesh, dim, mp, reshard, accum, n_experts)
-    a = _moe(impl, mesh, dim, mp, reshard, accum, n_experts)
+    b = _moe(torch_impl, mesh, dim, mp, reshard, accum, n_experts, ao)
+    a = _moe(impl, mesh, dim, mp, reshard, accum, n_experts, ao)
     assert a["placements"] == b["placements"], f"{a['placements']} vs torch {b['placements']}"
+    assert a["locals"] == b["locals"], f"{a['locals']} vs torch {b['locals']}"
+    if ao:
+        assert a["locals"]["blocks.0.experts.w1"][0] == "Float8TrainingWeightWrapperTensor", a["locals"]
     want = f"Shard(dim={dim % 3})" if n_experts < mesh.size(mesh.ndim - 1) else "Shard(dim=0)"
     assert want in a["placements"]["blocks.0.experts.w1"], a["placements"]
     _compare(f"[{impl.name} vs torch] MoE Shard({dim})", a, b)
@@ -124,6 +147,8 @@ def _moe_grid():
     if ws == 4:
         configs = [dict(dim=1), dict(dim=2, mp=True, reshard=False), dict(dim=-1, accum=2)]
         configs += [dict(dim=1, hsdp=True, mp=True, n_experts=1)]  # HSDP: 2 shard ranks
+        # torchao's MoE training weights, on dim 1 (bf16 compute) and dim -1 (fp32, accumulation)
+        configs += [dict(dim=1, mp=True, ao=True, reshard=False), dict(dim=-1, accum=2, ao=True)]
     else:
         configs = [dict(dim=1, mp=True, accum=2)]  # 2 experts, 2 ranks: dim 0, as torchtitan
     run_grid(configs, check_moe, name=f"moe-ws{ws}")
@@ -221,7 +246,8 @@ def check_lora(base: str, reshard: bool) -> None:
         raises_exactly(
             NotImplementedError,
             "fully_shard: argument 'shard_placement_fn' returned Shard(1) for parameter 'base.weight', a NF4Tensor "
-            "gathered by its fsdp_pre_all_gather; fsdp_native shards tensor-subclass parameters on dim 0 only",
+            "gathered by its fsdp_pre_all_gather, which cannot be split on dim 1: NotImplementedError: "
+            "aten.split(NF4Tensor, dim=1)",
             lambda: impl.fully_shard(model.blocks[0], shard_placement_fn=_dim1),
         )
 
