@@ -392,12 +392,14 @@ class Unit:
             layout = self.layout
             ours = [False] * len(params)
         locals_ = [p._local_tensor for p in params]
-        # After apply_to_flat only subclass shards changed: the flat buffer stays.
+        device = locals_[0].device if locals_ else self.shard_device
+        if not device.type == "meta" and self.offload is not None:
+            device = torch.device("cpu")
+        # After apply_to_flat only subclass shards changed: the flat buffer stays. A unit of
+        # subclass parameters only has an empty one, which follows them (off the meta device).
         repack = not all(o for o, e in zip(ours, layout.ext) if not e)
+        repack = repack or (self.sharded_flat.numel() == 0 and self.sharded_flat.device != device)
         if repack:
-            device = locals_[0].device if locals_ else self.shard_device
-            if not device.type == "meta" and self.offload is not None:
-                device = torch.device("cpu")
             flat = self._new_flat(device)
             views = layout.shard_views(flat)
         else:

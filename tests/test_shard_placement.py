@@ -13,6 +13,7 @@ dtype conversion after ``fully_shard``, and checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from dist_utils import assert_close, full, full_params, load_impl, placements_of, raises_exactly, ref_impl, run_distributed, run_grid
 from models import BlockStack, train_steps
@@ -104,9 +105,12 @@ def _ao_experts(model) -> None:
     assert kinds == {"Float8TrainingWeightWrapperTensor"}, kinds
 
 
-def _moe(impl, mesh, dim: int, mp: bool, reshard, accum: int, n_experts: int = 2, ao: bool = False) -> dict:
+def _moe(impl, mesh, dim: int, mp: bool, reshard, accum: int, n_experts: int = 2, ao: bool = False, meta: bool = False) -> dict:
+    """``meta``: torchtitan's initialisation: built (and converted) on the meta device, sharded,
+    ``to_empty``, then every parameter filled from a seeded full tensor."""
     torch.manual_seed(0)
-    model = MoE(n_experts=n_experts)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = MoE(n_experts=n_experts)
     if ao:
         _ao_experts(model)
     ws = mesh.size(mesh.ndim - 1)
@@ -117,6 +121,12 @@ def _moe(impl, mesh, dim: int, mp: bool, reshard, accum: int, n_experts: int = 2
         impl.fully_shard(b.experts, **kw)  # torchtitan: the experts a unit of their own
         impl.fully_shard(b, **kw)
     impl.fully_shard(model, **kw)
+    if meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(distribute_tensor(torch.randn(p.shape) * 0.1, p.device_mesh, p.placements))
     res = _train(model, accum=accum)
     res["placements"] = placements_of(model)
     res["locals"] = {n: (type(p.to_local()).__name__, tuple(p.to_local().shape)) for n, p in model.named_parameters()}
@@ -125,14 +135,16 @@ def _moe(impl, mesh, dim: int, mp: bool, reshard, accum: int, n_experts: int = 2
     return res
 
 
-def check_moe(dim: int, mp: bool = False, reshard=True, accum: int = 1, hsdp: bool = False, n_experts: int = 2, ao: bool = False) -> None:
+def check_moe(dim: int, mp: bool = False, reshard=True, accum: int = 1, hsdp: bool = False, n_experts: int = 2, ao: bool = False,
+              meta: bool = False) -> None:  # fmt: skip
     """``ao``: the expert weights are torchao's MoE training subclass (:func:`_ao_experts`),
-    sharded on dim `dim` by their all-gather extension."""
+    sharded on dim `dim` by their all-gather extension. ``meta``: see :func:`_moe` (the
+    experts' unit then holds subclass parameters only)."""
     ws = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("r", "s")) if hsdp else init_device_mesh("cpu", (ws,))
     impl, torch_impl = load_impl(), ref_impl()
-    b = _moe(torch_impl, mesh, dim, mp, reshard, accum, n_experts, ao)
-    a = _moe(impl, mesh, dim, mp, reshard, accum, n_experts, ao)
+    b = _moe(torch_impl, mesh, dim, mp, reshard, accum, n_experts, ao, meta)
+    a = _moe(impl, mesh, dim, mp, reshard, accum, n_experts, ao, meta)
     assert a["placements"] == b["placements"], f"{a['placements']} vs torch {b['placements']}"
     assert a["locals"] == b["locals"], f"{a['locals']} vs torch {b['locals']}"
     if ao:
@@ -148,9 +160,10 @@ def _moe_grid():
         configs = [dict(dim=1), dict(dim=2, mp=True, reshard=False), dict(dim=-1, accum=2)]
         configs += [dict(dim=1, hsdp=True, mp=True, n_experts=1)]  # HSDP: 2 shard ranks
         # torchao's MoE training weights, on dim 1 (bf16 compute) and dim -1 (fp32, accumulation)
-        configs += [dict(dim=1, mp=True, ao=True, reshard=False), dict(dim=-1, accum=2, ao=True)]
+        configs += [dict(dim=1, mp=True, ao=True, reshard=False), dict(dim=-1, accum=2, ao=True), dict(dim=1, mp=True, ao=True, meta=True)]
     else:
         configs = [dict(dim=1, mp=True, accum=2)]  # 2 experts, 2 ranks: dim 0, as torchtitan
+        configs += [dict(dim=1, mp=True, ao=True, meta=True)]  # the same, torchao's experts from the meta device
     run_grid(configs, check_moe, name=f"moe-ws{ws}")
 
 
