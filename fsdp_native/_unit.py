@@ -398,7 +398,8 @@ class Unit:
         # After apply_to_flat only subclass shards changed: the flat buffer stays. A unit of
         # subclass parameters only has an empty one, which follows them (off the meta device).
         repack = not all(o for o, e in zip(ours, layout.ext) if not e)
-        repack = repack or (self.sharded_flat.numel() == 0 and self.sharded_flat.device != device)
+        flat = self.sharded_flat
+        repack = repack or (flat is not None and flat.numel() == 0 and flat.device != device)
         if repack:
             flat = self._new_flat(device)
             views = layout.shard_views(flat)
