@@ -104,7 +104,7 @@ oldest-build: $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)
 		--build-temp $(OLDEST_BUILD)/temp
 
 test-oldest: oldest-build
-	cd $(OLDEST_BUILD) && PYTHONPATH=$(OLDEST_BUILD)/lib $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
+	cd $(OLDEST_BUILD) && PYTHONPATH=$(OLDEST_BUILD)/lib $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider --durations=15 \
 		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS)) $(RUNTIME_DESELECT)
 
 clean:
@@ -147,5 +147,5 @@ ifeq ($(NEWEST_LIB),)
 		--build-temp $(NEWEST_BUILD)/temp
 endif
 	mkdir -p $(NEWEST_BUILD)
-	cd $(NEWEST_BUILD) && PYTHONPATH=$(abspath $(or $(NEWEST_LIB),$(NEWEST_BUILD)/lib)) $(NEWEST)/bin/python -m pytest -q -p no:cacheprovider \
+	cd $(NEWEST_BUILD) && PYTHONPATH=$(abspath $(or $(NEWEST_LIB),$(NEWEST_BUILD)/lib)) $(NEWEST)/bin/python -m pytest -q -p no:cacheprovider --durations=15 \
 		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS) $(NEWEST_EXTRA_TESTS)) $(NEWEST_DESELECT)
