@@ -7,7 +7,8 @@ are torch FSDP2's, bit for bit; across libraries the checkpoints load both ways.
 The Transformer grids of tests/test_fully_shard_parity.py (``Cfg.shard_dim``) cover the
 runtime features (mixed precision, accumulation, offload, meta init, HSDP, ...); here: 3-D
 expert weights, units of several dtypes, tensor-subclass (torchao NF4) weights beside
-dim-1 adapters, an int ``reshard_after_forward`` (which torch 2.11-2.15 cannot run with a dim
+dim-1 adapters, torchao's MoE training weights (torchtitan's float8 grouped-GEMM experts)
+sharded on dims 1 and -1 themselves and built on the meta device, an int ``reshard_after_forward`` (which torch 2.11-2.15 cannot run with a dim
 other than 0), fsdp_native's quantized all-gather (dim-d parameters travel unquantized),
 dtype conversion after ``fully_shard``, and checkpoints.
 """
