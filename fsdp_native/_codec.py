@@ -75,12 +75,15 @@ class Codec:
         raise NotImplementedError
 
 
-def copy_out(unit, out: torch.Tensor, segments: list[int], targets: list[torch.Tensor], index: list | None = None) -> None:
+def copy_out(
+    unit, out: torch.Tensor, segments: list[int], targets: list[torch.Tensor], index: list | None = None, typed: list | None = None
+) -> None:
     """``ops.all_gather_copy_out`` of `out` (world-size chunks of `segments`) into `targets`;
     ``index[k]`` is the parameter of segment k (None for other segments; no `index`: segment
     k is parameter k). A parameter sharded
     on a dim other than 0 (``layout.strided``) is not contiguous rank by rank in its unsharded
-    tensor: it is skipped there and written by one strided copy from `out`."""
+    tensor: it is skipped there and written by one strided copy from `out`, into ``typed[k]``
+    (a subclass parameter's inner tensor output) or else its typed unsharded parameter."""
     layout = unit.layout
     ws = layout.world_size
     if not layout.strided:
@@ -91,16 +94,16 @@ def copy_out(unit, out: torch.Tensor, segments: list[int], targets: list[torch.T
     skip = out[:0]
     ops.all_gather_copy_out(out, segments, ws, [skip if j in strided else t for t, j in zip(targets, index)])
     rows, offset = out.view(ws, -1), 0
-    for seg, j in zip(segments, index):
+    for k, (seg, j) in enumerate(zip(segments, index)):
         if j in strided:
+            dst = typed[k] if typed is not None and typed[k] is not None else unit._unsharded_typed[j]
             src = rows[:, offset : offset + seg]
-            dtype = layout.param_dtypes[j]
+            dtype = dst.dtype
             if src.dtype != dtype:  # bytes
                 try:
                     src = src.view(dtype)
                 except RuntimeError:  # chunks not aligned for `dtype` (a byte unit of odd size)
                     src = src.contiguous().view(dtype)
-            dst = unit._unsharded_typed[j]
             # Without a version bump, as the native copy-out: autograd may have saved the
             # unsharded parameter in forward, and the backward's all-gather refills it.
             with torch.autograd._unsafe_preserve_version_counter(dst):
@@ -229,38 +232,30 @@ class ExtensionCodec(Codec):
         """Copies the gathered bytes into the plain parameters and into each subclass
         parameter's persistent outputs, then runs its fsdp_post_all_gather.
 
-        A subclass parameter sharded on dim d > 0 gathers its inner tensors rank after rank,
-        as for dim 0; each is then put together along d in its output (as torch FSDP2 does,
-        through a temporary), and the first unsharded tensor its fsdp_post_all_gather returns
-        is viewed in the parameter's shape (torch FSDP2's ``as_strided``)."""
+        A subclass parameter sharded on dim d > 0 has each inner tensor put together along d
+        in its output (as torch FSDP2 does) by the strided copy of plain parameters on dim d,
+        and the first unsharded tensor its fsdp_post_all_gather returns is viewed in the
+        parameter's shape (torch FSDP2's ``as_strided``)."""
         layout = self.layout
-        strided = set(layout.strided)
-        outs, index, allocated, gathered = [], [], 0, []
+        outs, index, typed, allocated = [], [], [], 0
         for i, view in enumerate(unit._unsharded_plain):
             if layout.ext[i]:
                 state = self.states[i]
                 allocated += state.alloc()
-                for o in state.outputs:
-                    if i in strided:  # gathered rank by rank into a temporary, then along dim d
-                        gathered.append((i, torch.empty_like(o), o))
-                        o = gathered[-1][1]
-                    outs.append(o.view(torch.uint8))
-                    index.append(None)
+                outs += [o.view(torch.uint8) for o in state.outputs]
+                index += [i] * len(state.outputs)
+                typed += state.outputs
             else:
                 outs.append(view)
                 index.append(i)
-        copy_out(unit, out, self.segments, outs, index)
-        for i, tmp, o in gathered:
-            shape, d, ws = layout.local_shape(i), layout.dims[i], layout.world_size
-            with torch.autograd._unsafe_preserve_version_counter(o):
-                o.view(*shape[:d], ws, shape[d], *shape[d + 1 :]).movedim(d, 0).copy_(tmp.view(ws, *shape))
-        del gathered
+                typed.append(None)
+        copy_out(unit, out, self.segments, outs, index, typed)
         for i, local in enumerate(unit.shard_views):
             if layout.ext[i]:
                 current = unit.unsharded_params[i]
                 t = _extension.post_all_gather(local, self.states[i], layout.param_dtypes[i], current)
                 if current is None:
-                    if i in strided and t.shape != layout.shapes[i]:
+                    if i in layout.strided and t.shape != layout.shapes[i]:
                         t = torch.as_strided(t, layout.shapes[i], torch.empty(layout.shapes[i], device="meta").stride(), 0)
                     unit.unsharded_params[i] = unit.new_unsharded_param(i, t, unit.sharded_params[i].requires_grad)
         return allocated
