@@ -7,7 +7,14 @@ Hugging Face FSDP2 docs), a tiny Llama from a LlamaConfig (no Hub) on 2 CPU rank
 * QLoRA-style with fsdp_native's NF4 all-gather for the frozen base weights
   (``use_with_accelerate(all_gather=QuantizedAllGather("nf4"))``): the decoder layers gather NF4
   for the base weights and full precision for the adapters and norms, training follows the
-  unquantized run's losses, and the saved adapters are the trained full-precision ones.
+  unquantized run's losses, and the saved adapters are the trained full-precision ones;
+* FSDP-QLoRA with bitsandbytes (the bitsandbytes and PEFT docs' recipe): the base model loaded
+  from a checkpoint with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=...)``,
+  its ``Params4bit`` weights packed NF4 bytes. With a floating storage dtype they are sharded
+  like any parameter (their packed bytes gathered, bitsandbytes dequantizes in the forward);
+  with the default uint8 storage Accelerate leaves them out of FSDP (``ignored_params``).
+  Bitwise torch FSDP2: losses, every parameter's bytes and layout, the saved adapters; the
+  packed base weights never change and every adapter trains.
 """
 from __future__ import annotations
 
@@ -102,10 +109,80 @@ def _nf4() -> None:
         assert_same(f"saved adapter {k!r}", v, match[0])
 
 
+def _bnb_model(storage: str):
+    """A tiny Llama checkpoint loaded in 4 bits with bitsandbytes, with LoRA adapters."""
+    import torch
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from test_hf_common import tiny_llama
+
+    path = os.path.join(ctx().tmpdir, "tiny-llama")
+    if dist.get_rank() == 0 and not os.path.exists(path):
+        tiny_llama(0).save_pretrained(path)
+    dist.barrier()
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=getattr(torch, storage),
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16)
+    torch.manual_seed(0)  # the adapters' initialisation
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    return get_peft_model(model, cfg)
+
+
+def _bnb_qlora(storage: str, **cfg) -> None:
+    import torch
+    import torch.distributed as dist
+    from bitsandbytes.nn import Params4bit
+    from torch.distributed.tensor import DTensor
+
+    from test_hf_trainer import trainer_run
+
+    def plain(n: str) -> str:  # activation checkpointing wraps each decoder layer
+        return n.replace("._checkpoint_wrapped_module", "")
+
+    def layout(trainer) -> dict:
+        return {
+            plain(n): (isinstance(p, DTensor), tuple((p.to_local() if isinstance(p, DTensor) else p).shape), p.dtype)
+            for n, p in trainer.model.named_parameters()
+        }
+
+    def raw(params: dict) -> dict:  # packed 4-bit bytes compared as bits (a bf16 NaN pattern is data)
+        return {plain(n): v.view(torch.uint8) if v.dtype in (torch.bfloat16, torch.uint8) else v for n, v in params.items()}
+
+    init = _bnb_model(storage)
+    packed = [n for n, p in init.named_parameters() if isinstance(p, Params4bit)]
+    assert len(packed) == 7 * 2, packed  # every projection of the 2 decoder layers
+    init = raw({n: p.detach().clone() for n, p in init.named_parameters()})
+    seen, dirs = {}, {}
+    out = {}
+    for impl in ("torch", "native"):
+        dirs[impl] = os.path.join(ctx().tmpdir, f"bnb-{storage}-{impl}")
+        out[impl] = trainer_run(
+            impl, lora=True, bf16=True, model_fn=lambda: _bnb_model(storage), save_dir=dirs[impl],
+            on_trained=lambda t, impl=impl: seen.__setitem__(impl, layout(t)), **cfg,
+        )
+    assert_same("losses", out["native"][0], out["torch"][0])
+    assert_same("parameter bytes", raw(out["native"][1]), raw(out["torch"][1]))
+    assert seen["native"] == seen["torch"], {n: (seen["native"][n], v) for n, v in seen["torch"].items() if seen["native"][n] != v}
+    sharded = sorted(n for n in packed if seen["native"][n][0])
+    # a floating storage: the packed weights are sharded; uint8: Accelerate keeps them out
+    assert sharded == (sorted(packed) if storage != "uint8" else []), (storage, sharded)
+    _check_trained(f"fsdp_native (bitsandbytes, {storage} storage)", raw(out["native"][1]), init)
+    dist.barrier()
+    assert_same("saved adapters", _adapters(dirs["native"]), _adapters(dirs["torch"]))
+
+
 def _grid() -> None:
     set_launcher_env()
     run_grid([dict(bf16=False), dict(bf16=True), dict(bf16=True, model_dtype="bfloat16")], _parity, name="peft")
     run_grid([{}], lambda: _nf4(), name="peft nf4")
+    bnb = [dict(storage="bfloat16"), dict(storage="bfloat16", activation_checkpointing=True), dict(storage="uint8")]
+    run_grid(bnb, _bnb_qlora, name="peft bitsandbytes")
 
 
 def test_peft_lora_trainer_ws2():

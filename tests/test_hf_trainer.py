@@ -84,6 +84,7 @@ def trainer_run(
     save_steps=None,
     resume=None,
     eval_steps=None,
+    model_fn=None,
     **cfg_overrides,
 ):
     """Trainer.train for ``max_steps`` optimizer steps; returns (per-micro-batch losses, full params,
@@ -91,7 +92,8 @@ def trainer_run(
     quantized all-gather for the decoder layers; ``save_dir``: Trainer.save_model there after
     training; ``on_trained(trainer)`` runs last. ``save_steps``: a checkpoint every that many
     steps under ``output_dir``; ``resume``: the checkpoint to resume from; ``eval_steps``: the
-    Trainer evaluates on a held-out set every that many steps (``trainer.state.log_history``)."""
+    Trainer evaluates on a held-out set every that many steps (``trainer.state.log_history``);
+    ``model_fn()``: builds the model instead (after the TrainingArguments, as a script does)."""
     import torch
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
@@ -138,7 +140,10 @@ def trainer_run(
             gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
         )
-        model = lora_llama() if lora else tiny_llama(seed=rank if cpu_ram else 0)
+        if model_fn is not None:
+            model = model_fn()
+        else:
+            model = lora_llama() if lora else tiny_llama(seed=rank if cpu_ram else 0)
         if model_dtype is not None:
             model.to(getattr(torch, model_dtype))
         trainer = RecordingTrainer(
