@@ -13,6 +13,8 @@ LIGHTNING_VERSION ?= 2.6.6
 TRL_VERSION ?= 1.16.0
 # bitsandbytes: FSDP-QLoRA with 4-bit Params4bit base weights (tests/test_hf_peft.py).
 BITSANDBYTES_VERSION ?= 0.50.2
+# diffusers: UNet, Flux and SD3 training through Accelerate's FSDP2 plugin (tests/test_diffusers.py).
+DIFFUSERS_VERSION ?= 0.42.1
 # torchao: NF4 / Float8 tensor subclasses for the all-gather extension tests (tests/test_extension.py).
 TORCHAO_VERSION ?= 0.18.0
 export OMP_NUM_THREADS ?= 1
@@ -26,7 +28,7 @@ export OMP_NUM_THREADS ?= 1
 	$(PIP) install -q ninja pybind11 pytest pytest-benchmark pytest-timeout hypothesis expecttest numpy tqdm matplotlib
 	$(PIP) install -q torch==$(TORCH_VERSION) transformers==$(TRANSFORMERS_VERSION) accelerate==$(ACCELERATE_VERSION) \
 		peft==$(PEFT_VERSION) lightning==$(LIGHTNING_VERSION) trl==$(TRL_VERSION) \
-		bitsandbytes==$(BITSANDBYTES_VERSION)
+		bitsandbytes==$(BITSANDBYTES_VERSION) diffusers==$(DIFFUSERS_VERSION)
 	$(PIP) install -q --no-deps torchao==$(TORCHAO_VERSION)
 	# Triton for kernels/ (tested on CPU with TRITON_INTERPRET=1); a CUDA torch brings its own.
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "triton==3.6.*"
