@@ -84,6 +84,11 @@ RUNTIME_TESTS ?= test_optim_defaults.py test_fully_shard_parity.py test_fully_sh
 	test_tensor_parallel.py test_spmd_mesh.py test_amp.py test_ema.py test_module_zoo.py test_training_flows.py \
 	test_activation_checkpointing.py test_pipelining.py test_reset_iter_state.py test_param_dtypes.py test_dataclass_io.py \
 	test_verl_flow.py
+# The Hugging Face flows (Trainer, PEFT and bitsandbytes QLoRA, Accelerate, from_pretrained's
+# N-D parallelism, TRL, diffusers) run on the oldest torch too, the one GPU images ship, with
+# the versions pinned above.
+HF_TESTS ?= test_hf_common.py test_hf_trainer.py test_hf_peft.py test_hf_accelerate.py test_hf_from_pretrained.py \
+	test_trl.py test_diffusers.py
 # Left out on the oldest and newest torch (make test runs it): the self-check of the test
 # harness's failure and hang reports (27 s: it waits out its timeouts), which tests the
 # harness, not torch. The world-size-1 memory grid, left out while each rank started a fresh
@@ -91,17 +96,20 @@ RUNTIME_TESTS ?= test_optim_defaults.py test_fully_shard_parity.py test_fully_sh
 RUNTIME_DESELECT_K := not test_harness_reports_failures_collective_timeouts_and_hangs
 RUNTIME_DESELECT ?= -k "$(RUNTIME_DESELECT_K)"
 
-$(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION):
+$(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)-hf:
 	test -x $(OLDEST)/bin/python || python3 -m venv $(OLDEST)
 	$(OLDEST)/bin/pip install -q --upgrade pip setuptools wheel
 	$(OLDEST)/bin/pip install -q torch==$(OLDEST_TORCH_VERSION) ninja pybind11 pytest pytest-timeout hypothesis expecttest numpy matplotlib
+	$(OLDEST)/bin/pip install -q torch==$(OLDEST_TORCH_VERSION) transformers==$(TRANSFORMERS_VERSION) accelerate==$(ACCELERATE_VERSION) \
+		peft==$(PEFT_VERSION) trl==$(TRL_VERSION) bitsandbytes==$(BITSANDBYTES_VERSION) diffusers==$(DIFFUSERS_VERSION)
+	$(OLDEST)/bin/pip install -q --no-deps torchao==$(TORCHAO_VERSION)
 	touch $@
 
 # oldest-build: the venv and the extension only (.ci/run does it in the background while make
 # test runs; its egg-info goes to build/oldest, so it never writes what make test's pip install
 # -e writes); test-oldest builds again, which then only copies (ninja keeps the objects).
 .PHONY: oldest-build test-oldest
-oldest-build: $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)
+oldest-build: $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)-hf
 	rm -rf $(OLDEST_BUILD)/lib
 	mkdir -p $(OLDEST_BUILD)
 	FORCE_CUDA=0 $(OLDEST)/bin/python setup.py -q egg_info --egg-base $(OLDEST_BUILD) \
@@ -110,7 +118,7 @@ oldest-build: $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)
 
 test-oldest: oldest-build
 	cd $(OLDEST_BUILD) && PYTHONPATH=$(OLDEST_BUILD)/lib $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider --durations=15 \
-		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS)) $(RUNTIME_DESELECT)
+		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS) $(HF_TESTS)) $(RUNTIME_DESELECT)
 
 clean:
 	rm -rf build *.egg-info fsdp_native/_C*.so
