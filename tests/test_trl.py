@@ -11,7 +11,10 @@ top of the Trainer's:
   the next reference forward must gather the updated shards;
 * **GRPO**: completions sampled with ``generate()`` through the sharded policy in the training
   loop, rewards from a function, and with ``beta > 0`` a reference model that TRL loads from
-  the policy's path and prepares as above.
+  the policy's path and prepares as above;
+* **SFT with FSDP-QLoRA**: the model loaded from a path in 4 bits through ``model_init_kwargs``
+  (bitsandbytes, bf16 quant storage, so the packed weights are sharded) and LoRA adapters from
+  ``peft_config``, as the TRL and bitsandbytes docs set it up.
 
 Each run must give torch FSDP2's losses, sampled completions, trained parameters and (DPO)
 reference parameters bit for bit, and every FSDP unit, the reference's included, must be the
@@ -156,8 +159,48 @@ def grpo_run(impl: str):
     return out
 
 
+def sft_qlora_run(impl: str):
+    """SFTTrainer, FSDP-QLoRA as the TRL and bitsandbytes docs set it up: the model loaded from a
+    path in 4 bits (``model_init_kwargs`` with a bf16 ``bnb_4bit_quant_storage``), LoRA adapters
+    from ``peft_config``, bf16."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+    from trl import SFTConfig, SFTTrainer
+
+    reset_accelerate()
+    path = _model_dir()
+    r = random.Random(7)
+    data = Dataset.from_list([{"text": _words(r, 10)} for _ in range(2 * dist.get_world_size() * STEPS)])
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    recorded: list = []
+    with impl_handle(impl):
+        torch.manual_seed(0)  # the adapters' initialisation
+        args = _args(SFTConfig, impl, max_length=16, bf16=True, model_init_kwargs={"quantization_config": quant, "dtype": torch.bfloat16})
+        trainer = _recording(SFTTrainer, recorded)(
+            model=path, args=args, train_dataset=data, processing_class=_tokenizer(), peft_config=lora
+        )
+        trainer.train()
+        check_impl(trainer.model, impl)
+        packed = [n for n, p in trainer.model.named_parameters() if "base_layer" in n and p.dtype == torch.bfloat16]
+        assert packed and all(full_params(trainer.model)[n].shape[-1] == 1 for n in packed), packed  # Params4bit
+        # packed 4-bit bytes compared as bits (a bf16 NaN pattern is data)
+        params = {n: v.view(torch.int16) if v.dtype == torch.bfloat16 else v for n, v in full_params(trainer.model).items()}
+        trainer.accelerator.free_memory()
+    assert len(recorded) == STEPS, len(recorded)
+    return recorded, params
+
+
 def _parity(flow: str):
-    run = {"dpo": dpo_run, "grpo": grpo_run}[flow]
+    run = {"dpo": dpo_run, "grpo": grpo_run, "sft-qlora": sft_qlora_run}[flow]
     ref, got = run("torch"), run("native")
     assert_same("losses (and completions)", got[0], ref[0])
     assert_same("parameters", got[1], ref[1])
@@ -167,8 +210,8 @@ def _parity(flow: str):
 
 def _grid():
     set_launcher_env()
-    run_grid([dict(flow="dpo"), dict(flow="grpo")], _parity, name="trl")
+    run_grid([dict(flow="dpo"), dict(flow="grpo"), dict(flow="sft-qlora")], _parity, name="trl")
 
 
-def test_trl_dpo_and_grpo_parity_ws2():
+def test_trl_dpo_grpo_and_sft_qlora_parity_ws2():
     run_distributed(_grid, 2, timeout=400)
