@@ -9,7 +9,7 @@ ACCELERATE_VERSION ?= 1.15.0
 PEFT_VERSION ?= 0.21.2
 # Lightning Fabric's ModelParallelStrategy (tests/test_lightning.py).
 LIGHTNING_VERSION ?= 2.6.6
-# TRL: its DPO and GRPO trainers over the Trainer's FSDP2 path (tests/test_trl.py).
+# TRL: its DPO, GRPO and SFT (QLoRA) trainers over the Trainer's FSDP2 path (tests/test_trl.py).
 TRL_VERSION ?= 1.16.0
 # bitsandbytes: FSDP-QLoRA with 4-bit Params4bit base weights (tests/test_hf_peft.py).
 BITSANDBYTES_VERSION ?= 0.50.2
