@@ -46,6 +46,38 @@ def tiny_llama(seed: int = 0, **kw):
     return model
 
 
+def tiny_llama_dir() -> str:
+    """tiny_llama(0) saved once in the run's directory, for flows that load a model from a path."""
+    import torch.distributed as dist
+
+    from dist_utils import ctx
+
+    d = os.path.join(ctx().tmpdir, "tiny-llama")
+    if dist.get_rank() == 0 and not os.path.isdir(d):
+        tiny_llama(0).save_pretrained(d)
+    dist.barrier()
+    return d
+
+
+def bnb_4bit_config(storage: str = "bfloat16"):
+    """FSDP-QLoRA's bitsandbytes config (its docs'): NF4, bf16 compute, ``storage`` the dtype
+    that holds the packed bytes (a floating one lets FSDP shard them)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=getattr(torch, storage),
+    )
+
+
+def as_bits(params: dict) -> dict:
+    """bf16 tensors viewed as int16, to compare packed 4-bit bytes (a bf16 NaN pattern is data)."""
+    import torch
+
+    return {n: v.view(torch.int16) if v.dtype == torch.bfloat16 else v for n, v in params.items()}
+
+
 def token_batches(n: int, bsz: int, seed: int = 1234):
     """n batches of (bsz, SEQ) token ids, identical on every rank (each rank slices its part)."""
     import torch

@@ -23,7 +23,7 @@ import os
 import pytest
 
 from dist_utils import ctx, run_distributed, run_grid
-from test_hf_common import assert_same, set_launcher_env
+from test_hf_common import as_bits, assert_same, set_launcher_env
 
 pytest.importorskip("peft", reason="peft is a test dependency (make test installs it)")
 
@@ -112,30 +112,18 @@ def _nf4() -> None:
 def _bnb_model(storage: str):
     """A tiny Llama checkpoint loaded in 4 bits with bitsandbytes, with LoRA adapters."""
     import torch
-    import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
-    from test_hf_common import tiny_llama
+    from test_hf_common import bnb_4bit_config, tiny_llama_dir
 
-    path = os.path.join(ctx().tmpdir, "tiny-llama")
-    if dist.get_rank() == 0 and not os.path.exists(path):
-        tiny_llama(0).save_pretrained(path)
-    dist.barrier()
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_compute_dtype=torch.bfloat16,
-        bnb_4bit_quant_storage=getattr(torch, storage),
-    )
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir(), quantization_config=bnb_4bit_config(storage), dtype=torch.bfloat16)
     torch.manual_seed(0)  # the adapters' initialisation
     cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
     return get_peft_model(model, cfg)
 
 
 def _bnb_qlora(storage: str, **cfg) -> None:
-    import torch
     import torch.distributed as dist
     from bitsandbytes.nn import Params4bit
     from torch.distributed.tensor import DTensor
@@ -151,8 +139,8 @@ def _bnb_qlora(storage: str, **cfg) -> None:
             for n, p in trainer.model.named_parameters()
         }
 
-    def raw(params: dict) -> dict:  # packed 4-bit bytes compared as bits (a bf16 NaN pattern is data)
-        return {plain(n): v.view(torch.uint8) if v.dtype in (torch.bfloat16, torch.uint8) else v for n, v in params.items()}
+    def raw(params: dict) -> dict:
+        return {plain(n): v for n, v in as_bits(params).items()}
 
     init = _bnb_model(storage)
     packed = [n for n, p in init.named_parameters() if isinstance(p, Params4bit)]

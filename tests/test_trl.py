@@ -26,7 +26,10 @@ import os
 import pytest
 
 from dist_utils import ctx, full_params, run_distributed, run_grid
-from test_hf_common import VOCAB, assert_same, check_impl, impl_handle, reset_accelerate, set_launcher_env, tiny_llama
+from test_hf_common import (
+    VOCAB, as_bits, assert_same, bnb_4bit_config, check_impl, impl_handle, reset_accelerate, set_launcher_env, tiny_llama,
+    tiny_llama_dir,
+)
 from test_hf_trainer import fsdp_config
 
 pytest.importorskip("trl", reason="trl is a test dependency (make test installs it)")
@@ -47,17 +50,6 @@ def _tokenizer():
 
 def _words(r, n: int) -> str:
     return " ".join(f"w{r.randrange(VOCAB - 3)}" for _ in range(n))
-
-
-def _model_dir() -> str:
-    """The tiny Llama saved once (GRPO loads the policy, and its reference, from a path)."""
-    import torch.distributed as dist
-
-    d = os.path.join(ctx().tmpdir, "tiny-llama")
-    if dist.get_rank() == 0 and not os.path.isdir(d):
-        tiny_llama(0).save_pretrained(d)
-    dist.barrier()
-    return d
 
 
 def _args(config_cls, impl: str, **kw):
@@ -140,7 +132,7 @@ def grpo_run(impl: str):
     from trl import GRPOConfig, GRPOTrainer
 
     reset_accelerate()
-    path = _model_dir()
+    path = tiny_llama_dir()
     r = random.Random(7)
     data = Dataset.from_list([{"prompt": _words(r, 4)} for _ in range(16)])
     recorded: list = []
@@ -169,31 +161,26 @@ def sft_qlora_run(impl: str):
     import torch.distributed as dist
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import BitsAndBytesConfig
     from trl import SFTConfig, SFTTrainer
 
     reset_accelerate()
-    path = _model_dir()
+    path = tiny_llama_dir()
     r = random.Random(7)
     data = Dataset.from_list([{"text": _words(r, 10)} for _ in range(2 * dist.get_world_size() * STEPS)])
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
-        bnb_4bit_quant_storage=torch.bfloat16,
-    )
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     recorded: list = []
     with impl_handle(impl):
         torch.manual_seed(0)  # the adapters' initialisation
-        args = _args(SFTConfig, impl, max_length=16, bf16=True, model_init_kwargs={"quantization_config": quant, "dtype": torch.bfloat16})
+        args = _args(SFTConfig, impl, max_length=16, bf16=True, model_init_kwargs={"quantization_config": bnb_4bit_config(), "dtype": torch.bfloat16})
         trainer = _recording(SFTTrainer, recorded)(
             model=path, args=args, train_dataset=data, processing_class=_tokenizer(), peft_config=lora
         )
         trainer.train()
         check_impl(trainer.model, impl)
-        packed = [n for n, p in trainer.model.named_parameters() if "base_layer" in n and p.dtype == torch.bfloat16]
-        assert packed and all(full_params(trainer.model)[n].shape[-1] == 1 for n in packed), packed  # Params4bit
-        # packed 4-bit bytes compared as bits (a bf16 NaN pattern is data)
-        params = {n: v.view(torch.int16) if v.dtype == torch.bfloat16 else v for n, v in full_params(trainer.model).items()}
+        params = full_params(trainer.model)
+        packed = [n for n in params if "base_layer" in n and params[n].dtype == torch.bfloat16]
+        assert packed and all(params[n].shape[-1] == 1 for n in packed), packed  # Params4bit
+        params = as_bits(params)
         trainer.accelerator.free_memory()
     assert len(recorded) == STEPS, len(recorded)
     return recorded, params
