@@ -78,6 +78,19 @@ def as_bits(params: dict) -> dict:
     return {n: v.view(torch.int16) if v.dtype == torch.bfloat16 else v for n, v in params.items()}
 
 
+def check_adapters_trained(what: str, params: dict, init: dict, adapters: int) -> None:
+    """LoRA trained, not a no-op: of the full parameters, exactly the ``adapters`` "lora_" ones
+    differ from their ``init`` values."""
+    import torch
+
+    assert params.keys() == init.keys(), sorted(set(params) ^ set(init))
+    lora = [n for n in init if "lora_" in n]
+    assert len(lora) == adapters, lora
+    for n, v in init.items():
+        same = torch.equal(params[n].to(v.dtype), v)
+        assert same != (n in lora), f"{what}: {n!r} {'did not change' if same else 'changed'} (frozen: {n not in lora})"
+
+
 def token_batches(n: int, bsz: int, seed: int = 1234):
     """n batches of (bsz, SEQ) token ids, identical on every rank (each rank slices its part)."""
     import torch

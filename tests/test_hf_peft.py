@@ -23,7 +23,7 @@ import os
 import pytest
 
 from dist_utils import ctx, run_distributed, run_grid
-from test_hf_common import as_bits, assert_same, set_launcher_env
+from test_hf_common import as_bits, assert_same, check_adapters_trained, set_launcher_env
 
 pytest.importorskip("peft", reason="peft is a test dependency (make test installs it)")
 
@@ -46,14 +46,7 @@ def _initial_params(dtype: str | None = None) -> dict:
 
 
 def _check_trained(what: str, params: dict, init: dict) -> None:
-    import torch
-
-    assert params.keys() == init.keys(), sorted(set(params) ^ set(init))
-    lora = [n for n in init if "lora_" in n]
-    assert len(lora) == 2 * 4 * 2, lora  # A and B of 4 projections in each of 2 layers
-    for n, v in init.items():
-        same = torch.equal(params[n].to(v.dtype), v)
-        assert same != (n in lora), f"{what}: {n!r} {'did not change' if same else 'changed'} (frozen: {n not in lora})"
+    check_adapters_trained(what, params, init, adapters=2 * 4 * 2)  # A and B of 4 projections in 2 layers
 
 
 def _parity(bf16: bool, model_dtype: str | None = None) -> None:
