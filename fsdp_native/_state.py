@@ -23,6 +23,13 @@ def _eager(fn):
 
 def _run_post_backward(unit: Unit) -> None:
     for u in unit.group:
+        if not u.needs_post_backward:
+            # No pre-backward hook ran for this forward: a module of a several-module unit
+            # called on its own hooks no outputs (torchtitan's chunked loss calls the head of
+            # the [norm, head] unit once per sequence chunk, each with its own backward). As in
+            # torch FSDP2, the backward reaching the forward's inputs still runs the unit's
+            # post-backward: its gradients are accumulated in the reduce dtype or reduced.
+            u.needs_post_backward = u.backward_reached = True
         u.post_backward()
 
 
@@ -95,6 +102,10 @@ class RootContext:
         if self.pending_finalize is not None:  # an asynchronous finalization nobody waited on
             self.pending_finalize.wait()
         self.forward_order = []
+        root_unit = self.root._fsdp_native_unit
+        for u in self.units:
+            if u is not root_unit and u.in_forward:  # a pass some module of it never completed
+                u.end_pass()  # (a no-grad chunked loss, torchtitan's validation): a new one begins
         if _trace.active is not None:
             _trace.active.begin_step()
         for u in self.units:
@@ -120,6 +131,8 @@ class RootContext:
         """Runs once autograd finished: post-backward for units autograd did not reach through
         their inputs (the root, most often), then every pending reduction completes."""
         self.callback_queued = False
+        for u in self.units:  # as torch FSDP2's final callback: the next forward starts a new pass
+            u.end_pass()
         if self.manual_active:
             # Manual finalization: units whose gradients are not synced this backward take
             # them unreduced now; the others wait for finalize_backward.
@@ -347,8 +360,10 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
         _unshard(unit)  # a no-op unless a module of the unit resharded it
     if cast:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
-    if first and torch.is_grad_enabled():
-        args, kwargs = _mark_inputs(unit, args, kwargs)
+    if not unit.inputs_marked:
+        unit.inputs_marked = True
+        if torch.is_grad_enabled():
+            args, kwargs = _mark_inputs(unit, args, kwargs)
     if first and _trace.active is not None:
         unit._t_compute = _trace.now_us()
     return args, kwargs
@@ -381,7 +396,7 @@ def post_forward(unit: Unit, module: nn.Module, args, output):
 
 
 def _complete_forward(unit: Unit, output):
-    unit.in_forward = False
+    unit.in_forward = unit.inputs_marked = False
     unit.modules_to_run = set()
     rec = _trace.active
     if rec is not None and unit._t_compute is not None:
@@ -413,6 +428,7 @@ def pre_backward(unit: Unit) -> None:
     for u in unit.group:
         u.needs_post_backward = True
         u.backward_reached = True
+        u.inputs_marked = False
     _unshard(unit, backward=True)
     for u in unit.group:
         u.defer_grad_upcast()

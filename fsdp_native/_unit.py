@@ -124,6 +124,12 @@ class Unit:
         # Forward-pass state of the unit as one hook target (several modules may share it).
         self.in_forward = False
         self.modules_to_run: set[nn.Module] = set()
+        # Whether the unit's forward inputs are marked for its post-backward in this pass
+        # (torch FSDP2's parameter group in its FORWARD state). The full post-forward, the
+        # pre-backward and the post-backward clear it: a module of the unit called again after
+        # a backward, without the pass completing (the head of torchtitan's chunked loss, once
+        # per chunk), marks its inputs again.
+        self.inputs_marked = False
         self.ctx = None  # the root context, set at lazy init
         self.acct = Accounting()
         self.total_acct: Accounting | None = None
@@ -786,6 +792,11 @@ class Unit:
                 self.streams.wait_work(work)
             self._account(-self._ag_nbytes(out))
 
+    def end_pass(self) -> None:
+        """Forgets the forward pass under way (its modules that ran, its marked inputs)."""
+        self.in_forward = self.inputs_marked = False
+        self.modules_to_run = set()
+
     def reset_iter(self) -> None:
         """reset_iter_state: back to a resharded unit between iterations, without the failed
         iteration's gradients (the caller has dropped the reductions in flight)."""
@@ -795,8 +806,7 @@ class Unit:
         self.partial_reduce = None
         self._accumulated = None
         self.needs_post_backward = self.recompute_hooked = self.backward_reached = False
-        self.in_forward = False
-        self.modules_to_run = set()
+        self.end_pass()
         self._t_compute = None
         for p in (*self.unsharded_params, *self.sharded_params):
             if p is not None:  # a subclass parameter's unsharded one exists from its first unshard
@@ -853,7 +863,7 @@ class Unit:
         left, at finalize_backward; zeros for set_reduce_scatter_unused_params)."""
         if not (self.needs_post_backward or force):
             return
-        self.needs_post_backward = False
+        self.needs_post_backward = self.inputs_marked = False
         self.recompute_hooked = False
         rec = _trace.active
         if rec is not None and self._t_compute is not None:

@@ -8,6 +8,12 @@
   numbers).
 * The number of all-gathers and reductions per step, counted at torch.distributed, is at
   most torch FSDP2's (reductions: equal).
+* torchtitan's chunked loss (``ChunkedLossWrapper``): the model's forward skips the head of
+  the ``[norm, head]`` unit, and the loss calls the head on each sequence chunk with its own
+  backward, gradient sync off but for the last chunk. Every chunk's backward runs the unit's
+  post-backward, as in torch FSDP2, so the head's gradients accumulate in the reduce dtype
+  (fp32), not in bf16 over the chunks; a no-grad chunked pass (torchtitan's validation)
+  between steps leaves the next step alone. Bit for bit torch FSDP2.
 * torch's ``register_fsdp_forward_method`` (the Trainer wraps ``generate`` with it) runs on
   fsdp_native modules and gives torch FSDP2's output.
 * ``load_state_dict(..., assign=True)`` with plain DTensors (Accelerate's
@@ -74,6 +80,115 @@ def _group_parity_hsdp_grid():
 
 def test_group_unit_parity_bitwise_hsdp_2x2():
     run_distributed(_group_parity_hsdp_grid, 4)
+
+
+# ---------------------------------------------------------------------------
+# torchtitan's chunked loss: the head called per sequence chunk, outside the model's forward
+
+
+class _ChunkedHeadLM(nn.Module):
+    """Embedding, blocks, final norm and head; ``skip_head`` returns the normed hidden states
+    (torchtitan's ``_skip_lm_head``, set when its ``ChunkedLossWrapper`` owns the head)."""
+
+    def __init__(self, vocab=48, dim=16, n_blocks=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.skip_head = True
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for b in self.blocks:
+            h = h + b(h)
+        h = self.norm(h)
+        return h if self.skip_head else self.head(h)
+
+
+def _chunked_loss(impl, model, hidden, labels, n_tokens, chunks: int, train: bool):
+    """torchtitan's ChunkedLossWrapper on an FSDP head: the head kept unsharded over the chunks,
+    each chunk's loss backward on its own with gradient sync off but for the last, the chunks'
+    input gradients put together and sent back through the model."""
+    head = model.head
+    h_chunks = [c.detach().requires_grad_(train) for c in hidden.chunk(chunks, dim=1)]
+    head.set_reshard_after_forward(False)
+    head.set_reshard_after_backward(False)
+    head.set_requires_gradient_sync(False, recurse=False)
+    head.unshard()
+    total, grads = torch.zeros(()), []
+    for i, (h, y) in enumerate(zip(h_chunks, labels.chunk(chunks, dim=1))):
+        if i == chunks - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
+        logits = head(h)
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") / n_tokens
+        total = total + loss.detach()
+        if train:
+            loss.backward()
+            grads.append(h.grad)
+    head.set_reshard_after_forward(True)
+    head.set_reshard_after_backward(True)
+    head.set_requires_gradient_sync(True, recurse=False)
+    head.reshard()
+    if train:
+        hidden.backward(torch.cat(grads, dim=1).to(hidden.dtype))
+    return total
+
+
+def _train_chunked(impl, mesh, mp: bool, sum_reduce: bool, validate: bool) -> dict:
+    torch.manual_seed(0)
+    model = _ChunkedHeadLM()
+    kw = dict(mesh=mesh)
+    if mp:
+        kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for b in model.blocks:
+        impl.fully_shard(b, **kw)
+    impl.fully_shard([model.norm, model.head], reshard_after_forward=False, **kw)  # torchtitan's last unit
+    impl.fully_shard(model, **kw)
+    if sum_reduce:  # torchtitan: no division by FSDP (the loss divides by the global token count)
+        for m in model.modules():
+            if isinstance(m, impl.FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses, grads0 = [], None
+    for step in range(3):
+        x = torch.randint(0, 48, (2, 17), generator=gen)
+        inputs, labels = x[:, :-1], x[:, 1:]
+        n_tokens = torch.tensor(float(labels.numel()))
+        if sum_reduce:
+            dist.all_reduce(n_tokens)
+        if validate and step == 1:
+            with torch.no_grad():
+                losses.append(_chunked_loss(impl, model, model(inputs), labels, n_tokens, 4, train=False).item())
+        losses.append(_chunked_loss(impl, model, model(inputs), labels, n_tokens, 4, train=True).item())
+        if grads0 is None:
+            grads0 = {n: full(p.grad).clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return dict(losses=losses, grads0=grads0, params=full_params(model))
+
+
+def _check_chunked(**kw) -> None:
+    impl, torch_impl = load_impl(), ref_impl()
+    mesh = make_mesh(Cfg())
+    res_b = _train_chunked(torch_impl, mesh, **kw)
+    res_a = _train_chunked(impl, mesh, **kw)
+    _compare(f"[{impl.name} vs torch, chunked loss]", res_a, res_b)
+
+
+def _chunked_grid():
+    configs = [
+        dict(mp=True, sum_reduce=True, validate=True),  # torchtitan's settings
+        dict(mp=True, sum_reduce=False, validate=False),
+        dict(mp=False, sum_reduce=False, validate=True),
+    ]
+    run_grid(configs, _check_chunked, name="chunked-loss")
+
+
+def test_torchtitan_chunked_loss_head_calls_bitwise():
+    run_distributed(_chunked_grid, 2)
 
 
 # ---------------------------------------------------------------------------
