@@ -17,6 +17,11 @@ BITSANDBYTES_VERSION ?= 0.50.2
 DIFFUSERS_VERSION ?= 0.42.1
 # torchao: NF4 / Float8 tensor subclasses for the all-gather extension tests (tests/test_extension.py).
 TORCHAO_VERSION ?= 0.18.0
+# torchtitan: its Llama 3 parallelize_llama and training step (tests/test_torchtitan.py). Installed
+# without its dependencies (their pins, datasets<4.8 among them, are for its data loaders and
+# logging, which the test does not use), plus what its imports need.
+TORCHTITAN_VERSION ?= 0.3.0
+TORCHTITAN_IMPORTS := spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 torchdata==0.11.0 tensorboard==2.21.0 einops==0.8.2
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: venv build test demo bench bench-ops bench-step clean cuda-check
@@ -29,7 +34,8 @@ export OMP_NUM_THREADS ?= 1
 	$(PIP) install -q torch==$(TORCH_VERSION) transformers==$(TRANSFORMERS_VERSION) accelerate==$(ACCELERATE_VERSION) \
 		peft==$(PEFT_VERSION) lightning==$(LIGHTNING_VERSION) trl==$(TRL_VERSION) \
 		bitsandbytes==$(BITSANDBYTES_VERSION) diffusers==$(DIFFUSERS_VERSION)
-	$(PIP) install -q --no-deps torchao==$(TORCHAO_VERSION)
+	$(PIP) install -q torch==$(TORCH_VERSION) $(TORCHTITAN_IMPORTS)
+	$(PIP) install -q --no-deps torchao==$(TORCHAO_VERSION) torchtitan==$(TORCHTITAN_VERSION)
 	# Triton for kernels/ (tested on CPU with TRITON_INTERPRET=1); a CUDA torch brings its own.
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "triton==3.6.*"
 	touch $@

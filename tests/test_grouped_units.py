@@ -187,6 +187,17 @@ def _chunked_grid():
     run_grid(configs, _check_chunked, name="chunked-loss")
 
 
+def _torch_runs_chunked_loss() -> bool:
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    return hasattr(_fsdp_state.FSDPState, "_force_complete_incomplete_states")
+
+
+@pytest.mark.skipif(
+    not _torch_runs_chunked_loss(),
+    reason="the reference fails: torch FSDP2 runs a grouped unit's head called on its own from torch 2.13 "
+    "(before, the head's backward raises 'data is not allocated yet')",
+)
 def test_torchtitan_chunked_loss_head_calls_bitwise():
     run_distributed(_chunked_grid, 2)
 
