@@ -45,11 +45,13 @@ venv: .venv/.ready
 build: .venv/.ready
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 
-# TEST_WORKERS: pytest-xdist workers (TEST_WORKERS=0 runs the tests in one process). Two on the
-# 2-core development machine: one at a time leaves about 40 % of the CPU idle (the ranks wait
-# on each other, on process starts and on timeouts), and two take make test's pytest from about
-# 1390 s to 1090 s. worksteal: a worker that runs dry takes queued tests from the other.
-TEST_WORKERS ?= 2
+# TEST_WORKERS: pytest-xdist workers; 0 (the default) runs the tests in one process. On a quiet
+# 2-core machine, TEST_WORKERS=2 took make test's pytest from about 1390 s to 1090 s (one test at
+# a time leaves about 40 % of the CPU idle: the ranks wait on each other, on process starts and
+# on timeouts). Not the default: in CI, with the oldest torch's setup and the CUDA build in the
+# background, it gained nothing (1394 s), and the extra load made torch's gloo crash once
+# (README, "The rare segfault"). worksteal: a worker that runs dry takes the other's queued tests.
+TEST_WORKERS ?= 0
 XDIST := -n $(TEST_WORKERS) --dist worksteal
 # --durations: the slowest tests in the log (CI's time budget is watched from there).
 test: build
