@@ -780,9 +780,14 @@ def assert_close(what: str, a, b, tol: dict) -> None:
 
 def assert_same_run(what: str, a: dict, b: dict, tol: dict | None = None) -> None:
     """Two training runs' ``losses`` and ``params`` (full parameters by name) agree: bit for bit,
-    or within `tol`."""
+    or within `tol`; so do their gradient ``norms`` and parameter ``placements`` where both
+    runs have them."""
     tol = tol or dict(rtol=0, atol=0)
     assert_close(f"{what}: losses", a["losses"], b["losses"], tol)
+    if "norms" in a and "norms" in b:
+        assert_close(f"{what}: grad norms", a["norms"], b["norms"], tol)
+    if "placements" in a and "placements" in b:
+        assert a["placements"] == b["placements"], f"{what}: placements {a['placements']} vs {b['placements']}"
     assert a["params"].keys() == b["params"].keys(), f"{what}: parameters {sorted(a['params'])} vs {sorted(b['params'])}"
     for n in b["params"]:
         assert_close(f"{what}: {n}", a["params"][n], b["params"][n], tol)

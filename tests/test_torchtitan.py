@@ -31,11 +31,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import assert_close, full_params, load_impl, placements_of, ref_impl, run_distributed, run_grid
+from dist_utils import assert_same_run, full_params, load_impl, placements_of, ref_impl, run_distributed, run_grid
 
 pytest.importorskip("torchtitan", reason="torchtitan is a test dependency (make test installs it)")
 
-EXACT = dict(rtol=0, atol=0)
 SEQ, BATCH, VOCAB = 64, 2, 2048
 
 
@@ -136,12 +135,7 @@ def _train(impl, backend: str) -> dict:
 def _check(backend: str) -> None:
     impl = load_impl()
     ref, got = _train(ref_impl(), backend), _train(impl, backend)
-    tag = f"[{impl.name} vs torch, torchtitan {backend}]"
-    assert_close(f"{tag} losses", got["losses"], ref["losses"], EXACT)
-    assert_close(f"{tag} grad norms", got["norms"], ref["norms"], EXACT)
-    assert got["placements"] == ref["placements"], (got["placements"], ref["placements"])
-    for n, v in ref["params"].items():
-        assert_close(f"{tag} {n}", got["params"][n], v, EXACT)
+    assert_same_run(f"[{impl.name} vs torch, torchtitan {backend}]", got, ref)
 
 
 def _grid() -> None:
