@@ -87,8 +87,9 @@ def test_group_unit_parity_bitwise_hsdp_2x2():
 
 
 class _ChunkedHeadLM(nn.Module):
-    """Embedding, blocks, final norm and head; ``skip_head`` returns the normed hidden states
-    (torchtitan's ``_skip_lm_head``, set when its ``ChunkedLossWrapper`` owns the head)."""
+    """Embedding, blocks, final norm and head; the forward returns the normed hidden states and
+    leaves the head to the loss (torchtitan's ``_skip_lm_head``, set when its
+    ``ChunkedLossWrapper`` owns the head)."""
 
     def __init__(self, vocab=48, dim=16, n_blocks=2):
         super().__init__()
@@ -96,17 +97,15 @@ class _ChunkedHeadLM(nn.Module):
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.skip_head = True
 
     def forward(self, tokens):
         h = self.emb(tokens)
         for b in self.blocks:
             h = h + b(h)
-        h = self.norm(h)
-        return h if self.skip_head else self.head(h)
+        return self.norm(h)
 
 
-def _chunked_loss(impl, model, hidden, labels, n_tokens, chunks: int, train: bool):
+def _chunked_loss(model, hidden, labels, n_tokens, chunks: int, train: bool):
     """torchtitan's ChunkedLossWrapper on an FSDP head: the head kept unsharded over the chunks,
     each chunk's loss backward on its own with gradient sync off but for the last, the chunks'
     input gradients put together and sent back through the model."""
@@ -161,8 +160,8 @@ def _train_chunked(impl, mesh, mp: bool, sum_reduce: bool, validate: bool) -> di
             dist.all_reduce(n_tokens)
         if validate and step == 1:
             with torch.no_grad():
-                losses.append(_chunked_loss(impl, model, model(inputs), labels, n_tokens, 4, train=False).item())
-        losses.append(_chunked_loss(impl, model, model(inputs), labels, n_tokens, 4, train=True).item())
+                losses.append(_chunked_loss(model, model(inputs), labels, n_tokens, 4, train=False).item())
+        losses.append(_chunked_loss(model, model(inputs), labels, n_tokens, 4, train=True).item())
         if grads0 is None:
             grads0 = {n: full(p.grad).clone() for n, p in model.named_parameters()}
         opt.step()
