@@ -22,6 +22,13 @@ TORCHAO_VERSION ?= 0.18.0
 # logging, which the test does not use), plus what its imports need.
 TORCHTITAN_VERSION ?= 0.3.0
 TORCHTITAN_IMPORTS := spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 torchdata==0.11.0 tensorboard==2.21.0 einops==0.8.2
+# torchtune: its recipe scripts under torchrun (tests/test_torchtune.py). 0.6.1, its last release,
+# imports torchao.dtypes.nf4tensor and int4_weight_only (torchao 0.15 is the last with both), so it
+# goes into a folder of its own with that torchao and its tokenizer packages, on the path of the
+# recipe processes only; the rest of the tests use TORCHAO_VERSION.
+TORCHTUNE_VERSION ?= 0.6.1
+TORCHTUNE_PACKAGES := torchao==0.15.0 omegaconf==2.4.0 sentencepiece==0.2.3 tiktoken==0.14.0
+TORCHTUNE_SITE := .venv/torchtune-site
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: venv build test demo bench bench-ops bench-step clean cuda-check
@@ -36,6 +43,8 @@ export OMP_NUM_THREADS ?= 1
 		bitsandbytes==$(BITSANDBYTES_VERSION) diffusers==$(DIFFUSERS_VERSION)
 	$(PIP) install -q torch==$(TORCH_VERSION) $(TORCHTITAN_IMPORTS)
 	$(PIP) install -q --no-deps torchao==$(TORCHAO_VERSION) torchtitan==$(TORCHTITAN_VERSION)
+	rm -rf $(TORCHTUNE_SITE)
+	$(PIP) install -q --no-deps --target $(TORCHTUNE_SITE) torchtune==$(TORCHTUNE_VERSION) $(TORCHTUNE_PACKAGES)
 	# Triton for kernels/ (tested on CPU with TRITON_INTERPRET=1); a CUDA torch brings its own.
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "triton==3.6.*"
 	touch $@
