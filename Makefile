@@ -29,6 +29,15 @@ TORCHTITAN_IMPORTS := spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 
 TORCHTUNE_VERSION ?= 0.6.1
 TORCHTUNE_PACKAGES := torchao==0.15.0 omegaconf==2.4.0 sentencepiece==0.2.3 tiktoken==0.14.0
 TORCHTUNE_SITE := .venv/torchtune-site
+# OLMo-core: its Trainer and train module (tests/test_olmo_core.py). It pins torch<2.14, and its
+# cached-path imports the Google Cloud and AWS clients; all of it goes into a folder of its own,
+# without dependencies (those .venv has are used from there), on the training processes' path only.
+OLMO_CORE_PACKAGES := ai2-olmo-core==3.0.0 cached-path==1.8.10 dataclass-extensions==0.5.0 bettermap==1.3.1 \
+	importlib_resources==7.1.0 google-cloud-storage==3.17.1 google-api-core==2.44.0 google-auth==2.63.0 \
+	google-cloud-core==2.8.0 google-resumable-media==2.11.0 google-crc32c==1.9.0 googleapis-common-protos==1.76.0 \
+	proto-plus==1.29.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 boto3==1.44.8 botocore==1.44.8 jmespath==1.1.0 \
+	s3transfer==0.19.3 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
+OLMO_CORE_SITE := .venv/olmo-core-site
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: venv build test demo bench bench-ops bench-step clean cuda-check
@@ -45,6 +54,8 @@ export OMP_NUM_THREADS ?= 1
 	$(PIP) install -q --no-deps torchao==$(TORCHAO_VERSION) torchtitan==$(TORCHTITAN_VERSION)
 	rm -rf $(TORCHTUNE_SITE)
 	$(PIP) install -q --no-deps --target $(TORCHTUNE_SITE) torchtune==$(TORCHTUNE_VERSION) $(TORCHTUNE_PACKAGES)
+	rm -rf $(OLMO_CORE_SITE)
+	$(PIP) install -q --no-deps --target $(OLMO_CORE_SITE) $(OLMO_CORE_PACKAGES)
 	# Triton for kernels/ (tested on CPU with TRITON_INTERPRET=1); a CUDA torch brings its own.
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "triton==3.6.*"
 	touch $@
