@@ -17,7 +17,7 @@ Rank 0 prints ``fully_shard calls (IMPL): N`` at exit.
 
 writes what the recipes read, made here (no download): a SentencePiece tokenizer trained on
 random text (``tokenizer.model``), a tiny Llama as a Hugging Face checkpoint (``ckpt/``: 2 layers,
-dim 256, vocab 128; torchao's NF4 needs whole blocks of 64 x 256 values per shard), a text
+dim 256, vocab 128; torchao's ``to_nf4`` takes tensors of whole 64 x 256-value blocks), a text
 dataset of rows longer than the recipes' 64-token limit (every batch 64 tokens long on every
 rank: the chunked output loss calls the output layer once per chunk, and ``torch.chunk``
 splits 49 tokens, or some shorter lengths, into fewer than 8 chunks, so ranks with such
