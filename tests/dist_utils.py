@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import subprocess
 import sys
 import tempfile
 import time
@@ -815,3 +816,34 @@ def raises_exactly(exc_type: type, message: str, fn: Callable[[], object]) -> Ba
         assert str(e) == message, f"{exc_type.__name__} message:\n  got      {str(e)!r}\n  expected {message!r}"
         return e
     raise AssertionError(f"expected {exc_type.__name__}: {message!r}; nothing was raised")
+
+
+# ---------------------------------------------------------------------------
+# Frameworks in a folder of their own (torchtune, OLMo-core)
+# ---------------------------------------------------------------------------
+def framework_site(env_var: str, folder: str, package: str, name: str) -> str:
+    """The folder ``make venv`` installs a framework into (``.venv/<folder>``, or ``$env_var``),
+    which only that framework's processes put on their path; the calling test module is skipped
+    where it is not installed (the oldest and newest torch's venvs)."""
+    site = os.environ.get(env_var, os.path.join(sys.prefix, folder))
+    if not os.path.isdir(os.path.join(site, package)):
+        import pytest
+
+        pytest.skip(f"{name} is installed by `make venv` into {site}", allow_module_level=True)
+    return site
+
+
+def torchrun(nproc: int, script: str, *args: str) -> list[str]:
+    """Arguments to ``python`` for a one-machine torchrun launch of ``script``."""
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script, *args]
+
+
+def run_in_site(site: str, args: list[str], what: str, timeout: float = 900, **env: str) -> str:
+    """``python *args`` with ``site`` first on its path, one OpenMP thread and ``env``; its output,
+    once it exited 0 (else the test fails with the output's tail)."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, *args], env=full_env, capture_output=True, text=True, timeout=timeout)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{what} failed:\n{out[-6000:]}"
+    return out

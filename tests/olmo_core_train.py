@@ -21,28 +21,33 @@ import sys
 
 import numpy as np
 import torch
+import torch.distributed.fsdp as torch_fsdp
 
 import fsdp_native
 
 SEQ, STEPS, VOCAB = 128, 4, 512
+# Each implementation's names, taken before _bind rebinds torch's MixedPrecisionPolicy: a torch
+# run after an fsdp_native one must get torch's own class back.
+IMPLS = {
+    "torch": (torch_fsdp.fully_shard, torch_fsdp.MixedPrecisionPolicy),
+    "fsdp_native": (fsdp_native.fully_shard, fsdp_native.MixedPrecisionPolicy),
+}
 
 
 def _bind(impl: str, calls: list) -> None:
     import olmo_core.nn.transformer.block as olmo_block
     import olmo_core.nn.transformer.model as olmo_model
-    import torch.distributed.fsdp as torch_fsdp
 
-    source = fsdp_native if impl == "fsdp_native" else torch_fsdp
+    shard, policy = IMPLS[impl]
 
     def fully_shard(module, **kwargs):
         calls.append(type(module).__name__)
-        return source.fully_shard(module, **kwargs)
+        return shard(module, **kwargs)
 
     for mod in (olmo_model, olmo_block):
         mod.fully_shard = fully_shard
     # model.py imports MixedPrecisionPolicy at the top, block.py inside a function
-    olmo_model.MixedPrecisionPolicy = source.MixedPrecisionPolicy
-    torch_fsdp.MixedPrecisionPolicy = source.MixedPrecisionPolicy
+    olmo_model.MixedPrecisionPolicy = torch_fsdp.MixedPrecisionPolicy = policy
 
 
 def _digest(t) -> str | float | int:

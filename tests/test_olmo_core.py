@@ -22,26 +22,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-import pytest
+from dist_utils import framework_site, run_in_site, torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SITE = os.environ.get("FSDP_OLMO_CORE_SITE", os.path.join(sys.prefix, "olmo-core-site"))
-if not os.path.isdir(os.path.join(SITE, "olmo_core")):
-    pytest.skip(f"OLMo-core is installed by `make venv` into {SITE}", allow_module_level=True)
-
+SITE = framework_site("FSDP_OLMO_CORE_SITE", "olmo-core-site", "olmo_core", "OLMo-core")
 WRAPPINGS = ("full", "fine_grained")
 
 
 def test_olmo_core_trainer_matches_torch_fsdp2(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(HERE, "olmo_core_train.py"), str(tmp_path), *WRAPPINGS]  # fmt: skip
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    run_in_site(SITE, torchrun(2, os.path.join(HERE, "olmo_core_train.py"), str(tmp_path), *WRAPPINGS), "OLMo-core's training")
     with open(tmp_path / "results.json") as f:
         runs = json.load(f)
     for wrapping in WRAPPINGS:

@@ -35,16 +35,15 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from dist_utils import framework_site, run_in_site, torchrun
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-SITE = os.environ.get("FSDP_TORCHTUNE_SITE", os.path.join(sys.prefix, "torchtune-site"))
-if not os.path.isdir(os.path.join(SITE, "torchtune")):
-    pytest.skip(f"torchtune is installed by `make venv` into {SITE}", allow_module_level=True)
+SITE = framework_site("FSDP_TORCHTUNE_SITE", "torchtune-site", "torchtune", "torchtune")
 
 import yaml  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -151,18 +150,10 @@ RUNS = {
 IN_MAKE_TEST = ["qlora", "full_optimizer_in_bwd"]
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _assets(root: str) -> str:
     out = os.path.join(root, "assets")
     if not os.path.isdir(os.path.join(out, "ckpt")):
-        r = subprocess.run([sys.executable, os.path.join(HERE, "torchtune_recipe.py"), "--make-assets", out],
-                           env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        run_in_site(SITE, [os.path.join(HERE, "torchtune_recipe.py"), "--make-assets", out], "torchtune's assets", timeout=300)
     return out
 
 
@@ -174,11 +165,8 @@ def _run(root: str, name: str, impl: str) -> dict:
     cfg_path = os.path.join(root, f"{name}.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(build(assets), f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           os.path.join(HERE, "torchtune_recipe.py"), recipe, "--config", cfg_path, f"output_dir={out}", *overrides]  # fmt: skip
-    r = subprocess.run(cmd, env=dict(_env(), FSDP_IMPL=impl), capture_output=True, text=True, timeout=900)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, f"{name} with {impl} failed:\n{log[-6000:]}"
+    args = torchrun(ranks, os.path.join(HERE, "torchtune_recipe.py"), recipe, "--config", cfg_path, f"output_dir={out}", *overrides)
+    log = run_in_site(SITE, args, f"{name} with {impl}", FSDP_IMPL=impl)
     (metrics,) = glob.glob(os.path.join(out, "logs", "*.txt"))
     with open(metrics) as f:  # "Step 1 | loss:... lr:... tokens_per_second_per_gpu:... grad_norm:..."
         steps = [[w for w in line.split() if not w.startswith("tokens_per_second")] for line in f if line.strip()]
