@@ -13,7 +13,9 @@ and then, for each:
   kernels and copies) and idle time within the profiled span, and the idle gaps of 50 us or
   more with the annotation (``FSDP::...``, ``Optimizer.step#...``) the host was inside when
   the gap began; the host time of each annotation per step; the ops with the most self CPU
-  time. On CPU (``--smoke``) there are no device events: the host columns only.
+  time; the launches per step: kernels, copies and fills on a GPU, and on a CPU the calls
+  of the ops that would be one each (fills, copies, the packing ops). On CPU (``--smoke``)
+  there are no device events: the host columns and those calls only.
 
 The first 4 found on an H200 that torchao NF4 QLoRA's AdamW step spent 11.0 ms of CPU a step
 with fsdp_native against 3.5 with torch FSDP2 (``BENCHMARKS.md``, "Measured on an H200,
@@ -74,6 +76,15 @@ def analyze_trace(trace: dict, steps: int) -> dict:
     device = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     annotations = [e for e in ev if e.get("cat") == "user_annotation"]
     span, busy, gaps = _device_busy(device)
+    # How many pieces of device work a step launches: on a GPU its kernels, copies and fills
+    # (each a launch on the host and a gap on the device); on a CPU, the calls of the ops that
+    # would launch one (fills and copies, torch's and fsdp_native's packing ops).
+    if device:
+        launches = collections.Counter(e["cat"] for e in device)
+    else:
+        launches = collections.Counter(
+            e["name"] for e in ev if e.get("cat") == "cpu_op" and (e["name"] in _LAUNCHING_OPS or e["name"].startswith(("fsdp::", "fsdp_native::")))
+        )
     gaps.sort(reverse=True)
     where = collections.Counter()
     for length, start in gaps:
@@ -89,7 +100,14 @@ def analyze_trace(trace: dict, steps: int) -> dict:
         "device_idle_ms": (span - busy) / 1e3 / steps,
         "idle_gaps_ms_by_annotation": {k: v / 1e3 / steps for k, v in where.most_common(8)},
         "host_ms_by_annotation": {k: v / 1e3 / steps for k, v in host.most_common(12)},
+        "launches_per_step": {k: v / steps for k, v in sorted(launches.items())},
     }
+
+
+# CPU ops counted as launches (``--smoke``): what would be one kernel each on a GPU.
+_LAUNCHING_OPS = frozenset(
+    {"aten::zeros", "aten::zero_", "aten::fill_", "aten::copy_", "aten::_foreach_copy_", "aten::split_with_sizes_copy", "aten::_chunk_cat", "aten::cat"}
+)
 
 
 def _family(name: str) -> str:
@@ -176,7 +194,7 @@ def format_report(result: dict) -> str:
     for key, label in keys:
         rows.append(f"| {label} | " + " | ".join(f"{result['impls'][i][key]:.2f}" for i in impls) + " |")
     for section, title in (("host_ms_by_annotation", "host time in"), ("idle_gaps_ms_by_annotation", "device idle (gaps >= 50 us) while the host was in"),
-                           ("top_self_cpu_ms", "self CPU time of")):
+                           ("launches_per_step", "launches per step:"), ("top_self_cpu_ms", "self CPU time of")):
         names = list(dict.fromkeys(n for i in impls for n in result["impls"][i][section]))
         for n in names:
             rows.append(f"| {title} `{n}` | " + " | ".join(f"{result['impls'][i][section].get(n, 0.0):.2f}" for i in impls) + " |")

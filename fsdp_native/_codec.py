@@ -201,12 +201,13 @@ class ExtensionCodec(Codec):
     def prepare(self, unit) -> int:
         layout, info = self.layout, unit.info
         mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[-1]]
-        inputs = []
+        inputs, segments = [], []
+        casts: dict[torch.dtype, list[tuple[int, int]]] = {}  # param_dtype -> (input index, parameter)
         for i, local in enumerate(unit.shard_views):
+            if self.staged:
+                local = local.to(unit.device, non_blocking=True)
             if layout.ext[i]:
                 mod = unit.owners[i][0][0]
-                if self.staged:
-                    local = local.to(unit.device, non_blocking=True)
                 inners, meta = _extension.pre_all_gather(local, mesh, layout.shapes[i], mod, unit.mp)
                 if i in layout.strided:
                     _check_strided_inners(layout, i, inners, unit.owners[i][0])
@@ -214,13 +215,24 @@ class ExtensionCodec(Codec):
                 state.sizes, state.meta = [t.shape for t in inners], meta
                 state.ensure_outputs(inners, layout.world_size)  # made (or checked) now, allocated at the copy-out
                 inputs += inners
+                segments += [t.numel() * t.element_size() for t in inners]
             else:
-                padded = torch.zeros(layout.padded[i], dtype=layout.param_dtypes[i], device=unit.device)
-                padded[: local.numel()].copy_(local.reshape(-1))
-                inputs.append(padded)
-        self.segments = [t.numel() * t.element_size() for t in inputs]
+                # The shard itself: the copy-in zero-fills its padded slot. One that needs a
+                # cast to its param_dtype is cast below, with the others of that dtype.
+                dtype = layout.param_dtypes[i]
+                if local.dtype != dtype:
+                    casts.setdefault(dtype, []).append((len(inputs), i))
+                inputs.append(local.reshape(-1))
+                segments.append(layout.padded[i] * dtype.itemsize)
+        for dtype, items in casts.items():  # one casting copy per param_dtype, not one per parameter
+            padded = [layout.padded[i] for _, i in items]
+            buf = torch.empty(sum(padded), dtype=dtype, device=unit.device)
+            ops.all_gather_copy_in([inputs[k] for k, _ in items], padded, buf)
+            for (k, _), view in zip(items, buf.split(padded)):
+                inputs[k] = view
+        self.segments = segments
         self._inputs = inputs
-        return sum(self.segments)
+        return sum(segments)
 
     def copy_in(self, unit, out: torch.Tensor, chunk: int) -> torch.Tensor:
         inputs, self._inputs = self._inputs, None
