@@ -273,6 +273,10 @@ def test_profile_step_gpu_smoke(tmp_path):
         assert (tmp_path / f"trace_llama8b-bf16_{impl}.json.gz").stat().st_size > 0
     assert "Optimizer.step#AdamW.step" in res["impls"]["torch"]["host_ms_by_annotation"]
     assert "| step (median) |" in proc.stdout
+    # launches on a CPU: the calls of each library's packing ops, counted per step
+    assert res["impls"]["torch"]["launches_per_step"].get("fsdp::all_gather_copy_in", 0) > 0, res["impls"]["torch"]
+    assert res["impls"]["fsdp_native"]["launches_per_step"].get("fsdp_native::all_gather_copy_out", 0) > 0, res["impls"]["fsdp_native"]
+    assert "| launches per step: `aten::copy_` |" in proc.stdout
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -295,6 +299,7 @@ def test_profile_step_gpu_smoke(tmp_path):
     assert (b["device_span_ms"], b["device_busy_ms"], b["device_idle_ms"]) == (0.5, 0.5, 0.0), b
     assert a["idle_gaps_ms_by_annotation"] == {"Optimizer.step#AdamW.step": 0.1}, a
     assert a["host_ms_by_annotation"] == {"Optimizer.step#AdamW.step": 0.12, "FSDP::all_gather": 0.06}, a
+    assert a["launches_per_step"] == {"gpu_memcpy": 1.0, "kernel": 2.0}, a
 
 
 def test_tune_quant_gpu_smoke(tmp_path):
