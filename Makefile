@@ -129,22 +129,26 @@ HF_TESTS ?= test_hf_common.py test_hf_trainer.py test_hf_peft.py test_hf_acceler
 # interpreter, runs again (31 s on torch 2.11) since the ranks fork from a fork server.
 RUNTIME_DESELECT_K := not test_harness_reports_failures_collective_timeouts_and_hangs
 RUNTIME_DESELECT ?= -k "$(RUNTIME_DESELECT_K)"
+# The venv's stamp: its torch, and whether it has the Hugging Face packages.
+OLDEST_READY = $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)$(if $(strip $(HF_TESTS)),-hf)-xdist
 
-$(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)-hf-xdist:
+$(OLDEST_READY):
 	test -x $(OLDEST)/bin/python || python3 -m venv $(OLDEST)
 	$(OLDEST)/bin/pip install -q --upgrade pip setuptools wheel
 	$(OLDEST)/bin/pip install -q torch==$(OLDEST_TORCH_VERSION) ninja pybind11 pytest pytest-timeout pytest-xdist hypothesis expecttest \
 		numpy matplotlib
+ifneq ($(strip $(HF_TESTS)),)
 	$(OLDEST)/bin/pip install -q torch==$(OLDEST_TORCH_VERSION) transformers==$(TRANSFORMERS_VERSION) accelerate==$(ACCELERATE_VERSION) \
 		peft==$(PEFT_VERSION) trl==$(TRL_VERSION) bitsandbytes==$(BITSANDBYTES_VERSION) diffusers==$(DIFFUSERS_VERSION)
 	$(OLDEST)/bin/pip install -q --no-deps torchao==$(TORCHAO_VERSION)
+endif
 	touch $@
 
 # oldest-build: the venv and the extension only (.ci/run does it in the background while make
 # test runs; its egg-info goes to build/oldest, so it never writes what make test's pip install
 # -e writes); test-oldest builds again, which then only copies (ninja keeps the objects).
 .PHONY: oldest-build test-oldest
-oldest-build: $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)-hf-xdist
+oldest-build: $(OLDEST_READY)
 	rm -rf $(OLDEST_BUILD)/lib
 	mkdir -p $(OLDEST_BUILD)
 	FORCE_CUDA=0 $(OLDEST)/bin/python setup.py -q egg_info --egg-base $(OLDEST_BUILD) \
@@ -154,6 +158,18 @@ oldest-build: $(OLDEST)/.ready-torch-$(OLDEST_TORCH_VERSION)-hf-xdist
 test-oldest: oldest-build
 	cd $(OLDEST_BUILD) && PYTHONPATH=$(OLDEST_BUILD)/lib $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 \
 		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS) $(HF_TESTS)) $(RUNTIME_DESELECT)
+
+# Older torch releases than the oldest (torch 2.9 and 2.10 are supported too: README, "Supported
+# torch versions"): the runtime tests on OLDER_TORCH_VERSION, without the Hugging Face flows, in
+# .venv-older and build/older, by the oldest's recipes (older-build sets it up; .ci/run does that
+# in the background too).
+OLDER_TORCH_VERSION ?= 2.9.1
+OLDER_VARS = OLDEST_TORCH_VERSION=$(OLDER_TORCH_VERSION) OLDEST=$(CURDIR)/.venv-older OLDEST_BUILD=$(CURDIR)/build/older HF_TESTS=
+.PHONY: older-build test-older
+older-build:
+	$(MAKE) oldest-build $(OLDER_VARS)
+test-older:
+	$(MAKE) test-oldest $(OLDER_VARS)
 
 clean:
 	rm -rf build *.egg-info fsdp_native/_C*.so

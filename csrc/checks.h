@@ -32,4 +32,10 @@ void check_count(at::IntArrayRef v, size_t n, const char* op, const char* name,
 // Entry i of `padded_numels` is a non-negative element count.
 void check_padded_entry(int64_t padded, size_t i, const char* op);
 
+// `*out = a + b`; true if that overflows int64. c10::add_overflows has an int64 overload only
+// from torch 2.10 (2.9's takes uint64), so the ops use the compiler's builtin on every torch.
+inline bool add_overflows(int64_t a, int64_t b, int64_t* out) {
+  return __builtin_add_overflow(a, b, out);
+}
+
 }  // namespace fsdp_native

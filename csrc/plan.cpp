@@ -31,7 +31,7 @@ void check_padded(at::IntArrayRef padded, size_t n, const char* op, const char* 
   int64_t total = 0;
   for (size_t i = 0; i < padded.size(); ++i) {
     check_padded_entry(padded[i], i, op);
-    TORCH_CHECK(!c10::add_overflows(total, padded[i], &total), op,
+    TORCH_CHECK(!add_overflows(total, padded[i], &total), op,
                 ": argument 'padded_numels' sums to more than int64 can hold");
   }
 }

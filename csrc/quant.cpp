@@ -76,7 +76,7 @@ int64_t lay_out(int fmt, int64_t block, at::IntArrayRef padded_numels, at::IntAr
     p.row_numel = row;
     p.offset = offset;
     p.layout = segment_layout(fmt, padded, row, block);
-    TORCH_CHECK(!c10::add_overflows(offset, p.layout.nbytes, &offset), op,
+    TORCH_CHECK(!add_overflows(offset, p.layout.nbytes, &offset), op,
                 ": the encoded unit is larger than int64 can hold");
     params.push_back(p);
   }

@@ -53,13 +53,51 @@ def _version(v: str) -> tuple[int, int]:
 
 TORCH_VERSION = _version(torch.__version__)
 
-DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 12)
+DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 12) or TORCH_VERSION < (2, 10)
 REDUCE_IN_ORIG_DTYPE = TORCH_VERSION >= (2, 15)
 GRAD_IN_REDUCE_DTYPE = TORCH_VERSION >= (2, 15)
 PIPELINING_READS_FSDP_STATE = TORCH_VERSION < (2, 15)
 
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def new_dtensor(cls, local: torch.Tensor, spec, requires_grad: bool):
+    """A `cls` DTensor wrapper over `local` with `spec` (its ``_local_tensor`` is set by the
+    caller): torch 2.10's C++ constructor ``torch.Tensor._dtensor__new__``; 2.9's DTensor.__new__
+    made the wrapper with ``torch.Tensor._make_dtensor`` from the spec's global shape and stride
+    and set ``_spec`` itself."""
+    if _DTENSOR_NEW is not None:
+        return _DTENSOR_NEW(cls, local, spec, requires_grad=requires_grad)
+    meta = spec.tensor_meta
+    r = torch.Tensor._make_dtensor(cls, meta.shape, meta.stride, local, requires_grad)
+    r._spec = spec
+    return r
+
+
+_DTENSOR_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
+
+
+def concatenate_meshes(meshes: list):
+    """One mesh of the dims of `meshes`, in order: submeshes of one device mesh, not
+    overlapping. ``DeviceMesh._concatenate`` from torch 2.10; 2.9's FSDP2 sliced the root mesh
+    by the dims' names instead, which is what this does there. Raises RuntimeError for meshes
+    that do not compose."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concat = getattr(DeviceMesh, "_concatenate", None)
+    if concat is not None:
+        return concat(meshes)
+    from torch.distributed.device_mesh import _mesh_resources
+
+    roots = [_mesh_resources.get_root_mesh(m) for m in meshes]
+    if any(r is None or r != roots[0] for r in roots):
+        raise RuntimeError(f"the meshes are not submeshes of one device mesh (their root meshes: {roots})")
+    names = tuple(n for m in meshes for n in (m.mesh_dim_names or ()))
+    try:
+        return roots[0][names]
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise RuntimeError(f"the dims {names} do not make one submesh of {roots[0]}: {e}") from None
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
 from torch.utils._pytree import tree_map
 
+from fsdp_native import _compat
 from fsdp_native._compat import DTENSOR_SUBCLASS_DISPATCH
 
 aten = torch.ops.aten
@@ -95,7 +96,7 @@ def _wrap(cls, local: torch.Tensor, spec, requires_grad: bool):
     """A `cls` DTensor over `local` with `spec` whose wrapper has storage offset 0 whatever
     `local`'s is (see the module docstring)."""
     base = local if local.storage_offset() == 0 else local.as_strided(local.size(), local.stride(), 0)
-    r = torch.Tensor._dtensor__new__(cls, base, spec, requires_grad=requires_grad)
+    r = _compat.new_dtensor(cls, base, spec, requires_grad)
     r._local_tensor = local
     return r
 

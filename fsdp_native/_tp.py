@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
-from fsdp_native import _extension
+from fsdp_native import _compat, _extension
 from fsdp_native._mesh import mesh_info
 
 
@@ -77,7 +77,7 @@ def spmd_mesh_info(mesh, dims):
         )
     names = mesh.mesh_dim_names
     spmd = Spmd(mesh, names.index(shard[0]), names.index(replicate[0]) if replicate else None)
-    dp = mesh[shard[0]] if not replicate else DeviceMesh._concatenate([mesh[replicate[0]], mesh[shard[0]]])
+    dp = mesh[shard[0]] if not replicate else _compat.concatenate_meshes([mesh[replicate[0]], mesh[shard[0]]])
     return mesh_info(dp), spmd
 
 
@@ -142,7 +142,7 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, where: str = "fully_shar
             "(init_device_mesh(..., mesh_dim_names=...), then mesh['dp'] and mesh['tp'])"
         )
     try:
-        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        return _compat.concatenate_meshes([dp_mesh, tp_mesh])
     except RuntimeError as e:
         raise ValueError(
             f"{where} that does not compose with the data-parallel mesh {dp_mesh}: {e}; expected the TP mesh and "

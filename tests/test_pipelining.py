@@ -14,9 +14,12 @@ run with the reference's quantized values put in place after each all-gather.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from fsdp_native._compat import TORCH_VERSION
 
 from dist_utils import assert_same_run, full_params, load_impl, ref_impl, run_distributed, run_grid, torch_quantized_values
 from models import ResidualMLP
@@ -142,5 +145,11 @@ def _grid():
     )
 
 
+@pytest.mark.skipif(
+    TORCH_VERSION < (2, 10),
+    reason="the pipeline fails without FSDP too: torch 2.9's stages open their links by sending an int64 "
+    "tensor into a float32 one (PipelineStage._get_init_p2p_neighbors_ops), which gloo refuses "
+    "('Received data size doesn't match expected size. 8 vs 4'); fixed in torch 2.10",
+)
 def test_pipeline_schedules_match_torch_fsdp2():
     run_distributed(_grid, 4, timeout=300)

@@ -19,9 +19,12 @@
 
 Bit for bit torch FSDP2's losses, gradients of the last step (None where torch has None) and
 parameters, in fp32 and with a bf16 policy; in fp32 also an unsharded model trained on the mean
-of the ranks' losses, within 1e-6 (Muon: within 1e-2, as its iterations run in bf16)."""
+of the ranks' losses, within 1e-6 (Muon: within 1e-2, 2e-2 before torch 2.11, as its iterations
+run in bf16)."""
 import torch
 import torch.distributed as dist
+
+from fsdp_native._compat import TORCH_VERSION
 
 from dist_utils import assert_close, assert_same_run, full, full_params, grid, load_impl, ref_impl, run_distributed, run_grid
 from models import BlockStack, ResidualMLP, shard_stack
@@ -33,7 +36,9 @@ FP32_TOL = dict(rtol=1e-6, atol=1e-6)
 # matmuls in another order than on the whole matrix, and the iterations amplify the rounding.
 # One step of a 10x6 matrix at lr 2e-2 differs by 7.6e-4 from the unsharded one (its update is
 # 2.1e-2), in torch FSDP2 and fsdp_native alike; after 5 steps the parameters by up to 5.5e-3.
-MUON_UNSHARDED_TOL = dict(rtol=0, atol=1e-2)
+# On torch 2.9 and 2.10 (the same Muon code as 2.13's) by up to 1.3e-2, in both libraries
+# alike: their runs are equal bit for bit there too.
+MUON_UNSHARDED_TOL = dict(rtol=0, atol=1e-2 if TORCH_VERSION >= (2, 11) else 2e-2)
 
 
 class DropStack(BlockStack):
