@@ -105,8 +105,8 @@ bench-overlap: build
 cuda-check:
 	bash .ci/cuda_check.sh
 
-# The oldest supported torch (README, "Supported torch versions"): the runtime tests in
-# .venv-oldest. Its extension (CPU kernels only: the tests run on CPU, and the CUDA build is
+# torch 2.11, the one GPU images ship (README, "Supported torch versions"; the oldest supported
+# is 2.9, test-older below): the runtime tests and the Hugging Face flows in .venv-oldest. Its extension (CPU kernels only: the tests run on CPU, and the CUDA build is
 # checked on the newest torch by cuda-check) is built into build/oldest/lib, never
 # fsdp_native/_C*.so (that one belongs to .venv's torch); the tests import fsdp_native from there.
 OLDEST_TORCH_VERSION ?= 2.11.0
@@ -159,10 +159,10 @@ test-oldest: oldest-build
 	cd $(OLDEST_BUILD) && PYTHONPATH=$(OLDEST_BUILD)/lib $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 \
 		$(addprefix $(CURDIR)/tests/,$(RUNTIME_TESTS) $(HF_TESTS)) $(RUNTIME_DESELECT)
 
-# Older torch releases than the oldest (torch 2.9 and 2.10 are supported too: README, "Supported
-# torch versions"): the runtime tests on OLDER_TORCH_VERSION, without the Hugging Face flows, in
-# .venv-older and build/older, by the oldest's recipes (older-build sets it up; .ci/run does that
-# in the background too).
+# The oldest supported torch, 2.9 (README, "Supported torch versions"; 2.10 was run by hand): the
+# runtime tests on OLDER_TORCH_VERSION, without the Hugging Face flows, in .venv-older and
+# build/older, by test-oldest's recipes (older-build sets it up; .ci/run does that in the
+# background too).
 OLDER_TORCH_VERSION ?= 2.9.1
 OLDER_VARS = OLDEST_TORCH_VERSION=$(OLDER_TORCH_VERSION) OLDEST=$(CURDIR)/.venv-older OLDEST_BUILD=$(CURDIR)/build/older HF_TESTS=
 .PHONY: older-build test-older

@@ -132,7 +132,7 @@ def resolve_param_dtypes(mp: MixedPrecisionPolicy, params: list, names: list[str
     ``mp.param_dtype_override_fn`` returns for it (None, ``param_dtype`` or the parameter's own
     dtype, as torch 2.15 allows). A parameter that is not floating-point (an integer one, such
     as frozen quantized weights, or a complex one) keeps its dtype, as from torch 2.12 on
-    (torch 2.11 casts it to ``param_dtype``, which drops a complex one's imaginary part)."""
+    (torch 2.9 to 2.11 cast it to ``param_dtype``, which drops a complex one's imaginary part)."""
     fn = mp.param_dtype_override_fn
     out = []
     for p, name in zip(params, names):

@@ -1,20 +1,25 @@
-"""Differences between the supported torch versions (2.11 to 2.15), in one place.
+"""Differences between the supported torch versions (2.9 to 2.15), in one place.
 
 Each shim says which versions need it; everything else in fsdp_native is written for torch
-2.13's API and behaves the same on every supported version (the tests run on 2.11 and 2.13,
-CI builds the CUDA kernels against the newest).
+2.13's API and behaves the same on every supported version (the tests run on 2.9, 2.11, 2.13
+and 2.15, CI builds the CUDA kernels against the newest).
 
 * ``all_gather_single`` / ``reduce_scatter_single``: torch 2.13 renamed
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to these names (the old names still
-  work there, deprecated). 2.11 and 2.12 have only the old names. The name is looked up on
+  work there, deprecated). Before 2.13 there are only the old names. The name is looked up on
   ``torch.distributed`` at every call, so a wrapper installed on ``torch.distributed`` (as
   ``benchmarks/bench_overlap.py`` does) sees fsdp_native's collectives.
-* ``DTENSOR_SUBCLASS_DISPATCH``: from torch 2.12 an op on a DTensor subclass that overrides
-  ``__torch_dispatch__`` goes to that override; 2.11 sends every DTensor subclass straight
-  to DTensor's C++ dispatch, so ``ShardedDTensor.__torch_dispatch__`` was never
-  called and every op returned a plain DTensor (``nn.Parameter(ShardedDTensor)`` failed on
-  ``detach``). ``fsdp_native._dtensor`` routes ShardedDTensor's ops to its dispatch by other
-  means where this is False.
+* ``new_dtensor``: the DTensor wrapper over a local tensor. torch 2.10 has a C++ constructor
+  for it (``torch.Tensor._dtensor__new__``); 2.9 makes it with ``torch.Tensor._make_dtensor``.
+* ``concatenate_meshes``: the data-parallel and tensor-parallel dims as one mesh
+  (``DeviceMesh._concatenate`` from 2.10; on 2.9, as its FSDP2 does, the root mesh sliced by
+  the dims' names).
+* ``DTENSOR_SUBCLASS_DISPATCH``: on torch 2.9 (Python DTensor dispatch) and from 2.12 an op on
+  a DTensor subclass that overrides ``__torch_dispatch__`` goes to that override; 2.10 and 2.11
+  send every DTensor subclass straight to DTensor's C++ dispatch, so
+  ``ShardedDTensor.__torch_dispatch__`` was never called and every op returned a plain DTensor
+  (``nn.Parameter(ShardedDTensor)`` failed on ``detach``). ``fsdp_native._dtensor`` routes
+  ShardedDTensor's ops to its dispatch by other means where this is False.
 * ``REDUCE_IN_ORIG_DTYPE``: torch 2.15 changed what ``MixedPrecisionPolicy(reduce_dtype=None)``
   means. Before, gradients were reduced in ``param_dtype``; from 2.15 in the parameters'
   original dtype (their ``grad_dtype``): fp32 for fp32 parameters computed in bf16. Gradients

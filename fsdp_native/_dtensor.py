@@ -21,9 +21,10 @@ DTensor's) with these differences:
   one flat buffer per unit, and a wrapper carrying the view's storage offset cannot be saved
   by ``torch.save``; loading needs no fsdp_native (``weights_only=True`` works).
 
-Torch 2.11 never calls a DTensor subclass's ``__torch_dispatch__``: its C++ DTensor dispatch
-takes every DTensor subclass (``fsdp_native._compat.DTENSOR_SUBCLASS_DISPATCH``), so
-``detach`` gave a plain DTensor and ``nn.Parameter(ShardedDTensor)`` failed. There,
+Torch 2.10 and 2.11 never call a DTensor subclass's ``__torch_dispatch__``: their C++ DTensor
+dispatch takes every DTensor subclass (``fsdp_native._compat.DTENSOR_SUBCLASS_DISPATCH``; 2.9's
+DTensor dispatch was Python and calls it), so ``detach`` gave a plain DTensor and
+``nn.Parameter(ShardedDTensor)`` failed. There,
 ShardedDTensor has a ``__torch_function__`` that runs each call under a dispatch mode whose
 handler is ``ShardedDTensor.__torch_dispatch__``: the mode is consulted before any subclass,
 below autograd, exactly where a subclass's own dispatch would run, so both paths and their
@@ -148,7 +149,7 @@ class ShardedDTensor(DTensor):
 
 
 class _RouteToShardedDispatch(TorchDispatchMode):
-    """torch 2.11 (see the module docstring): while a ShardedDTensor call runs, hands its
+    """torch 2.10 and 2.11 (see the module docstring): while a ShardedDTensor call runs, hands its
     ops to ShardedDTensor.__torch_dispatch__ (with this mode off, as a mode's handler runs)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -4,7 +4,7 @@ Before 2.15 a stage reduces its FSDP2 gradients through torch's internal state, 
 micro-batches' backwards (run without gradient sync or reshard): ``perform_reduce_grad`` turns
 sync and reshard on, takes ``torch.distributed.fsdp.fully_shard.state(stage_module)``, calls
 ``post_backward()`` on every param group of ``state._state_ctx.all_states``
-(``_fsdp_param_group`` in 2.11 and 2.12, ``_fsdp_param_groups`` from 2.13) and then
+(``_fsdp_param_group`` before 2.13, ``_fsdp_param_groups`` from 2.13) and then
 ``state._root_post_backward_final_callback()``. torch 2.15's stages use the public
 ``set_manual_backward_finalization`` / ``finalize_backward`` instead, which fsdp_native has.
 
@@ -40,7 +40,7 @@ class _ParamGroupView:
 
 class _UnitStateView:
     def __init__(self, unit) -> None:
-        self._fsdp_param_group = _ParamGroupView(unit)  # torch 2.11, 2.12
+        self._fsdp_param_group = _ParamGroupView(unit)  # torch before 2.13
         self._fsdp_param_groups = [self._fsdp_param_group]  # torch 2.13, 2.14
 
 

@@ -1,5 +1,6 @@
 """The torch-version shims of ``fsdp_native._compat``, on whatever torch is installed (CI runs
-this file on the default torch and on the oldest supported one, ``make test-oldest``).
+this file on torch 2.9, 2.11, 2.13 and 2.15: ``make test-older``, ``test-oldest``, ``test``,
+``test-newest``).
 
 * ``all_gather_single`` / ``reduce_scatter_single`` gather and reduce as the collectives do
   (2 gloo ranks, sum and average), whichever torch name is underneath, and look the name up
@@ -7,8 +8,11 @@ this file on the default torch and on the oldest supported one, ``make test-olde
 * ``DTENSOR_SUBCLASS_DISPATCH`` matches what this torch does: a DTensor subclass's own
   ``__torch_dispatch__`` is called, or is not.
 * torch 2.15's ``param_dtype_override_fn`` and ``reduce_dtype=None`` rule: ``tests/test_mp_override.py``.
-* ``nn.Parameter`` of a ShardedDTensor is a ShardedDTensor (2.11 returned a plain DTensor from
-  ``detach`` and refused), and the optimizer ops on it and its gradient stay ShardedDTensors.
+* ``nn.Parameter`` of a ShardedDTensor is a ShardedDTensor (2.10 and 2.11 returned a plain
+  DTensor from ``detach`` and refused), and the optimizer ops on it and its gradient stay
+  ShardedDTensors; ``new_dtensor`` makes the wrapper on every version.
+* ``concatenate_meshes``: a 2 x 2 mesh's two dims as one mesh, with the mesh's ranks and process
+  groups, and RuntimeError for a dim concatenated with itself (meshes that overlap).
 """
 from __future__ import annotations
 
@@ -113,3 +117,31 @@ def _dispatch_body():
 
 def test_sharded_dtensor_dispatch_ws2():
     run_distributed(_dispatch_body, 2)
+
+
+def _mesh_body():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_native import _compat
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    both = _compat.concatenate_meshes([mesh["dp"], mesh["tp"]])
+    assert both.mesh_dim_names == ("dp", "tp"), both.mesh_dim_names
+    assert torch.equal(both.mesh, mesh.mesh), (both.mesh, mesh.mesh)
+    # its process groups are the mesh's: a collective over each dim sums over that dim's ranks
+    rank = dist.get_rank()
+    for dim, peers in (("dp", mesh.mesh[:, rank % 2]), ("tp", mesh.mesh[rank // 2])):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=both.get_group(dim))
+        assert t.item() == float(peers.sum()), (dim, t, peers)
+
+    try:
+        _compat.concatenate_meshes([mesh["dp"], mesh["dp"]])
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a mesh dim was concatenated with itself")
+
+
+def test_concatenate_meshes_ws4():
+    run_distributed(_mesh_body, 4)

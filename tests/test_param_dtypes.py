@@ -156,7 +156,7 @@ def check(policy: str) -> None:
     assert got["seen"] == {"torch.complex64", "torch.int8"}, f"[{impl.name}] {policy}: forward saw dtypes {got['seen']}"
     if policy == "fp32":
         assert_same_run(f"[{impl.name}] {policy} vs unsharded", got, _train_unsharded(dist.get_world_size()), dict(rtol=1e-5, atol=1e-5))
-    if _compat.TORCH_VERSION >= (2, 12):  # torch 2.11 casts int8 and complex parameters to param_dtype
+    if _compat.TORCH_VERSION >= (2, 12):  # torch 2.9 to 2.11 cast int8 and complex parameters to param_dtype
         assert_same_run(f"[{impl.name}] {policy} vs torch", got, _train(ref_impl(), policy, torch_reference=True), dict(rtol=0, atol=0))
 
 
