@@ -106,7 +106,8 @@ cuda-check:
 	bash .ci/cuda_check.sh
 
 # torch 2.11, the one GPU images ship (README, "Supported torch versions"; the oldest supported
-# is 2.9, test-older below): the runtime tests and the Hugging Face flows in .venv-oldest. Its extension (CPU kernels only: the tests run on CPU, and the CUDA build is
+# is 2.9, test-older below): the runtime tests and the Hugging Face flows in .venv-oldest. Its
+# extension (CPU kernels only: the tests run on CPU, and the CUDA build is
 # checked on the newest torch by cuda-check) is built into build/oldest/lib, never
 # fsdp_native/_C*.so (that one belongs to .venv's torch); the tests import fsdp_native from there.
 OLDEST_TORCH_VERSION ?= 2.11.0
