@@ -11,7 +11,8 @@ specialisations a launch would get (16-byte aligned pointers and integers). Per 
 programs, elements per program, SASS instructions of one thread (static), the instructions
 per element of a program whose tiles are all whole (the masked path of a tensor's last tile
 left out; where the kernel loops over tiles, ``loop``, per element of one tile with the loop's
-body counted once), registers, and the global loads and stores by width.
+body counted once), registers, and the global loads and stores by width (with the local ones:
+register spills).
 
 A static view, not a timing: on a bandwidth-bound kernel the instructions per element and the
 width of its memory operations are what its speed is made of (an H100 issues about 27 thread
@@ -144,7 +145,7 @@ def sass_stats(cubin: bytes) -> dict:
     loop = False
     starts = {instr[0][0]} if instr else set()
     for i, (addr, text) in enumerate(instr):
-        m = re.search(r"\b(LDG|STG)(\.E)?(\.[A-Z0-9.]+)?", text)
+        m = re.search(r"\b(LDG|STG|LDL|STL)(\.E)?(\.[A-Z0-9.]+)?", text)  # LDL / STL: register spills
         if m:
             width = re.search(r"\.(128|64|U8|S8|U16|S16)\b", m.group(0))
             mem[f"{m.group(1)}.{width.group(1) if width else '32'}"] += 1
@@ -182,7 +183,7 @@ def compile_launch(gpu_mod, name: str, launch: dict, arch: int, cvt: bool | None
     if "ASM" in launch["kwargs"]:  # inline PTX, as on an NVIDIA GPU (the recording ran on CPU tensors)
         launch = dict(launch, kwargs=dict(launch["kwargs"], ASM=True))
     sig, consts, attrs = _signature(fn, launch)
-    opts = {k: v for k, v in launch["kwargs"].items() if k in ("enable_fp_fusion", "enable_reflect_ftz", "num_warps")}
+    opts = {k: v for k, v in launch["kwargs"].items() if k in ("enable_fp_fusion", "enable_reflect_ftz", "num_warps", "maxnreg")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     stats = sass_stats(k.asm["cubin"])
@@ -214,7 +215,7 @@ def main() -> None:
     works = (("Llama-3-8B layer", LLAMA_LAYER), ("overhead block", OVERHEAD_BLOCK))
     for work_name, work in works[:1] if a.work == "llama" else works:
         print(f"\n{work_name}")
-        print(f"{'op':38} {'kernel':20} {'programs':>8} {'elem/prog':>9} {'SASS':>5} {'whole tiles /elem':>17} {'regs':>4}  loop  global loads / stores")
+        print(f"{'op':38} {'kernel':20} {'programs':>8} {'elem/prog':>9} {'SASS':>5} {'whole tiles /elem':>17} {'regs':>4}  loop  loads / stores (LDG / STG global, LDL / STL spills)")
         for op, name, launch in record_launches(interp, work):
             s = compile_launch(gpu, name, launch, a.arch, cvt)
             out.append(dict(s, work=work_name, op=op, kernel=name))

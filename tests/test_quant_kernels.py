@@ -766,7 +766,7 @@ def _ptxas_available() -> bool:
 def test_triton_kernels_compile_to_wide_accesses(tmp_path, arch):
     """Compiled for an H100 and an A100 (sm_90, sm_80; no GPU needed: benchmarks/triton_sass.py),
     every kernel of a Llama-3-8B layer's quantize and dequantize reads or writes whole tiles
-    16 bytes per access. The alignment the launches claim only reaches the compiler through hints that
+    16 bytes per access, and spills no register. The alignment the launches claim only reaches the compiler through hints that
     are easy to lose (a hint on a function's argument, or on pointers the compiler merges with
     the masked path's, does nothing); without them every access is one element wide, 3-4x the
     instructions per element."""
@@ -779,6 +779,8 @@ def test_triton_kernels_compile_to_wide_accesses(tmp_path, arch):
     assert {row["op"] for row in rows} >= {"quantize fp8_rowwise", "dequantize nf4", "quantize_amax"}, rows
     for row in rows:
         assert row["mem"].get("LDG.128", 0) + row["mem"].get("STG.128", 0) > 0, row
+        # no register spills (the amax pass is capped at AMAX_MAXNREG registers a thread)
+        assert not [k for k in row["mem"] if k.startswith(("LDL", "STL"))], row
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _triton_available(), reason="needs a GPU and triton")
