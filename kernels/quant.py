@@ -60,11 +60,13 @@ ROW_ELEMS = 4096
 # element's value from its block's 16 (tl.gather): (1024, 1), picked on an H100, 97 % of the
 # floor against 90 % for the (4096, 4) it had.
 AMAX_WARPS = 4
-# Registers a thread of the amax pass may take (None: as the compiler likes). Its bf16 tiles
-# read as 32-bit words (_load_whole) take 27 % fewer instructions an element and, left alone,
-# 72 registers instead of 64, which leaves room for 7 programs an SM instead of 8; at 64 it
-# has the same instructions and no spill (sm_90 SASS, benchmarks/triton_sass.py).
-AMAX_MAXNREG = 64
+# Registers a thread of the amax pass may take (None: as the compiler likes; the "amax
+# registers" tune group times a cap). With its bf16 tiles read as 32-bit words (_load_whole)
+# it takes 20-27 % fewer instructions an element, and Triton 3.6 and 3.7 give it 72 registers
+# instead of 64 (7 programs an SM instead of 8). A cap of 64 keeps their instructions without
+# a spill, but Triton 3.8 and 3.9 (96-149 registers uncapped) spill under a cap of up to 80
+# (sm_90 SASS, benchmarks/triton_sass.py with each Triton), so there is none by default.
+AMAX_MAXNREG = None
 FP8_WARPS = 4
 NF4_WARPS = 2
 ROW_WARP_ELEMS = 512
