@@ -171,15 +171,6 @@ def _widen(x, SRC: tl.constexpr):
 
 
 @triton.jit
-def _bf16_pairs(addr, jw, HINT: tl.constexpr, V: tl.constexpr, mask=None):
-    """fp32 values of the bf16 pairs ``jw`` (32-bit words) at raw address ``addr``: the even
-    elements and the odd ones (see _load_whole)."""
-    p = _typed_ptrs(addr, jw, 3, HINT, V // 2)
-    w = tl.load(p) if mask is None else tl.load(p, mask=mask, other=0)
-    return (w << 16).to(tl.float32, bitcast=True), (w & 0xFFFF0000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _load_whole(addr, j, jw, SRC: tl.constexpr, HINT: tl.constexpr, V: tl.constexpr, mask=None):
     """fp32 values of the source elements ``j`` of a whole tile at raw address ``addr`` (runs
     along the last axis; ``mask``: constant along it); ``jw``: the same tile as 32-bit words,
@@ -187,8 +178,9 @@ def _load_whole(addr, j, jw, SRC: tl.constexpr, HINT: tl.constexpr, V: tl.conste
     of each are widened by one operation each (the low half shifted up, the high half
     masked), where loading elements makes the compiler unpack each before its shift."""
     if SRC == 1 and HINT:
-        lo, hi = _bf16_pairs(addr, jw, HINT, V, mask)
-        return tl.interleave(lo, hi)
+        p = _typed_ptrs(addr, jw, 3, HINT, V // 2)
+        w = tl.load(p) if mask is None else tl.load(p, mask=mask, other=0)
+        return tl.interleave((w << 16).to(tl.float32, bitcast=True), (w & 0xFFFF0000).to(tl.float32, bitcast=True))
     p = _src_ptrs(addr, j, SRC, HINT, V)
     return _widen(tl.load(p) if mask is None else tl.load(p, mask=mask, other=0), SRC)
 
