@@ -11,6 +11,14 @@ uint8 copy of as many bytes (as bench_gpu.py does). The groups run in order unti
 
     python3 benchmarks/tune_quant_gpu.py --json tune.json             # on a GPU
     TRITON_INTERPRET=1 python3 benchmarks/tune_quant_gpu.py --smoke   # CPU, tiny shapes over 2 ranks, one setting a group
+
+``--against OTHER.py`` times another version of ``kernels/quant.py`` (e.g. an older commit's,
+``git show REV:kernels/quant.py > OTHER.py``) against this checkout's, op by op, in the same
+run: rounds alternate between the two, each version's bits are checked against the other's,
+and the table gives each one's % of the floor and their time ratio. That is how a kernel
+change made without a GPU (counted in SASS: benchmarks/triton_sass.py) is first timed.
+
+    python3 benchmarks/tune_quant_gpu.py --against /tmp/quant_b02b361.py --json ab.json
 """
 from __future__ import annotations
 
@@ -102,9 +110,7 @@ class Work:
                       for f in Q.FORMATS}  # fmt: skip
         self.amax = torch.empty(len(shapes), device=device)
         self.outs = [torch.empty(_numel(s), dtype=torch.bfloat16, device=device) for s in shapes]
-        for f in Q.FORMATS:
-            self.quantize(f)
-        self.gathered = {f: self.chunk[f].repeat(world_size) for f in Q.FORMATS}
+        self.gathered = _Gathered(self)  # each format's at its first use (interpreted: each quantize takes seconds)
 
     def quantize(self, fmt, amax=None):
         self.K.quantize_copy_in_eager(self.shards, self.padded, self.rows, fmt, self.Q.DEFAULT_BLOCK_SIZE, amax, self.chunk[fmt])
@@ -143,6 +149,20 @@ class Work:
         return out
 
 
+class _Gathered(dict):
+    """A Work's gathered chunks by format: `world_size` copies of the format's quantized chunk,
+    made at the first use."""
+
+    def __init__(self, work: Work) -> None:
+        super().__init__()
+        self.work = work
+
+    def __missing__(self, fmt: str) -> torch.Tensor:
+        self.work.quantize(fmt)
+        t = self[fmt] = self.work.chunk[fmt].repeat(self.work.ws)
+        return t
+
+
 def op_formats(ops: list[str]) -> list[str]:
     """The formats the ops named in a group are of (quantize_amax: fp8_tensorwise's)."""
     from fsdp_native import quant as Q
@@ -156,6 +176,55 @@ def _time(fn, cuda: bool, iters: int, reps: int) -> float:
     return statistics.median(H.time_cpu(fn, iters, warmup=0))  # (--smoke: the code path, not the time)
 
 
+# The ops --against times by default: every op of the groups.
+AB_OPS = ["quantize_amax", "quantize fp8_tensorwise", "quantize fp8_tensorwise, amax given", "quantize fp8_rowwise",
+          "quantize nf4", "dequantize fp8_tensorwise", "dequantize fp8_rowwise", "dequantize nf4"]  # fmt: skip
+
+
+def load_other(path: str):
+    """Another version of kernels/quant.py as its own module (its own plans and launch tables;
+    the *_triton ops it registers again are not what the eager functions timed here call)."""
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"tune_quant_gpu.py: argument --against: no such file {path!r}")
+    spec = importlib.util.spec_from_file_location("_tune_against_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def against(works: dict, ops: list[str], rounds: int, time_of, floor_of, smoke: bool) -> dict:
+    """Each op of ``ops`` timed with each kernels version of ``works`` ({label: Work}), the
+    versions alternating round by round (which goes first alternates too), the median round
+    kept; each version's outputs checked against the first's."""
+    labels = list(works)
+    fmts = tuple(op_formats(ops)) if smoke else None
+    ref = works[labels[0]].results(fmts)
+    same = {k: all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(w.results(fmts), ref))
+            for k, w in works.items()}  # fmt: skip
+    rows = {}
+    for name in ops:
+        fns = {k: w.op(name) for k, w in works.items()}
+        times: dict[str, list[float]] = {k: [] for k in labels}
+        for r in range(rounds):
+            for k in labels if r % 2 == 0 else labels[::-1]:
+                times[k].append(time_of(fns[k][0]))
+        fl = floor_of(fns[labels[0]][1])
+        rows[name] = {k: {"us": 1e6 * statistics.median(v), "of_floor": fl / statistics.median(v)} for k, v in times.items()}
+        rows[name]["floor_us"] = 1e6 * fl
+        a, b = (rows[name][k]["us"] for k in labels)
+        cells = "  ".join(f"{k}: {rows[name][k]['us']:.1f} us {100 * rows[name][k]['of_floor']:.0f} %" for k in labels)
+        print(f"[against] {name}  {cells}  {labels[0]}/{labels[1]} time {a / b:.3f}", flush=True)
+    print(f"\n| op | {labels[0]}: % of floor | {labels[1]}: % of floor | time {labels[0]} / {labels[1]} |\n|---|---|---|---|")
+    for name, row in rows.items():
+        a, b = (row[k] for k in labels)
+        print(f"| {name} | {100 * a['of_floor']:.0f} % ({a['us']:.1f} us) | {100 * b['of_floor']:.0f} % ({b['us']:.1f} us) | "
+              f"{a['us'] / b['us']:.3f} |")  # fmt: skip
+    return {"labels": labels, "same_bits": same, "rounds": rounds, "ops": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one setting a group (CPU: TRITON_INTERPRET=1)")
@@ -164,7 +233,13 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--against", metavar="OTHER.py", help="time another kernels/quant.py against this one (then no group runs "
+                    "unless --groups names it)")
+    ap.add_argument("--against-ops", nargs="*", default=AB_OPS, metavar="OP", help="the ops --against times (default: all)")
+    ap.add_argument("--against-rounds", type=int, default=7, help="alternating rounds per op and version")
     args = ap.parse_args(argv)
+    if unknown := sorted(set(args.against_ops) - set(AB_OPS)):
+        ap.error(f"argument --against-ops: unknown ops {unknown}, expected some of {AB_OPS}")
 
     from fsdp_native import quant as Q
 
@@ -200,7 +275,13 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "default": default, "groups": {}}
-    for gname in args.groups or list(todo):
+    if args.against:
+        other = Work(shapes, device, load_other(args.against), *((2, 1) if args.smoke else (WORLD_SIZE, RANK)))
+        label = os.path.splitext(os.path.basename(args.against))[0]
+        result["against"] = against({"this": w, label: other}, args.against_ops, 1 if args.smoke else args.against_rounds,
+                                    lambda fn: _time(fn, cuda, iters, reps), floor_of, args.smoke)  # fmt: skip
+        K._PLANS.clear()
+    for gname in (args.groups or []) if args.against else (args.groups or list(todo)):
         ops, sets = todo[gname]
         fmts = tuple(op_formats(ops)) if args.smoke else None
         reference = reference_for(fmts)
@@ -243,6 +324,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     bad = [r["setting"] for rows in result["groups"].values() for r in rows if r.get("same_bits") is False]
+    bad += [f"--against {k}" for k, same in result.get("against", {}).get("same_bits", {}).items() if not same]
     if bad:
         print(f"[tune] settings that changed a result: {bad}")
     return 1 if bad else 0

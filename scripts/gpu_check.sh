@@ -19,6 +19,10 @@
 #   tune   : (only when named) benchmarks/tune_quant_gpu.py: the Triton kernels' launch shapes
 #            (tile sizes, warps a program), each checked against the default's bits, then
 #            timed against the floor -> tune.json
+#   against: (only when named) tune_quant_gpu.py --against GPU_CHECK_AGAINST (default
+#            .whl/quant_against.py: another version of kernels/quant.py, e.g. `git show
+#            REV:kernels/quant.py > .whl/quant_against.py` before the run): every quant op
+#            timed with both versions, alternating, and their bits compared -> against.json
 #   quantcpu: tests/test_quant_kernels.py on this machine's CPU (its best kernel level; the
 #            Triton tests left out)
 #   memcheck: compute-sanitizer --tool memcheck over the kernel tests
@@ -141,6 +145,10 @@ if want ncu; then  # not in the default stages: the quant kernels under Nsight C
 fi
 if want tune; then  # not in the default stages: the Triton kernels' launch shapes
   stage tune 300 "$PY" benchmarks/tune_quant_gpu.py --budget-s "${GPU_CHECK_TUNE_BUDGET_S:-200}" --json "$OUT/tune.json"
+fi
+if want against; then  # not in the default stages: another kernels/quant.py timed against this one
+  stage against 240 "$PY" benchmarks/tune_quant_gpu.py --against "${GPU_CHECK_AGAINST:-.whl/quant_against.py}" \
+    --json "$OUT/against.json"
 fi
 if want quantcpu; then
   stage quantcpu 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_quant_kernels.py -k "not triton and not cuda"

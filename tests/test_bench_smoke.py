@@ -307,15 +307,30 @@ def test_tune_quant_gpu_smoke(tmp_path):
     the "nf4 dequantize" group times its op under the default launch shapes and one other
     setting (other tiles), and finds the NF4 ops' bits the same under both (--smoke checks the
     formats of the group's ops; on a GPU every format's). (The three-op "dequantize" group took
-    65 s here, mostly fp8_rowwise's small interpreted tiles: 13 s a dequantize.)"""
+    65 s here, mostly fp8_rowwise's small interpreted tiles: 13 s a dequantize.) In the same
+    run, --against times another kernels/quant.py, here one with the NF4 quantize's nibbles
+    planted the wrong way round: it is timed beside this one, and its bits are found to
+    differ, which fails the run."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = tmp_path / "tune.json"
+    src = (ROOT / "kernels" / "quant.py").read_text()
+    right = "byte = ((hi4 << 4) | lo4).to(tl.uint8)"
+    assert src.count(right) == 1
+    (tmp_path / "planted.py").write_text(src.replace(right, "byte = ((lo4 << 4) | hi4).to(tl.uint8)"))
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_quant_gpu.py"), "--smoke", "--groups", "nf4 dequantize",
-                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+                        "--against", str(tmp_path / "planted.py"), "--against-ops", "quantize nf4", "--json", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "[tune] settings that changed a result: ['--against planted']" in r.stdout, r.stdout[-2000:]
     res = json.loads(out.read_text())
     from benchmarks.tune_quant_gpu import groups
 
+    ab = res["against"]
+    assert ab["labels"] == ["this", "planted"] and ab["same_bits"] == {"this": True, "planted": False}, ab
+    assert list(ab["ops"]) == ["quantize nf4"], ab
+    row = ab["ops"]["quantize nf4"]
+    assert row["floor_us"] > 0 and all(row[k]["us"] > 0 and row[k]["of_floor"] > 0 for k in ab["labels"]), row
+    assert "| quantize nf4 | " in r.stdout, r.stdout
     assert list(res["groups"]) == ["nf4 dequantize"]
     for name, rows in res["groups"].items():
         ops, settings = groups(True)[name]
