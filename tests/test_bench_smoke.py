@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import triton_interpreter
+
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
@@ -237,7 +239,7 @@ def test_profile_quant_gpu_lists_each_op_and_its_kernels():
     """benchmarks/profile_quant_gpu.py (what ncu profiles on a GPU) on CPU: every quant op of
     bench_gpu.py once, with the Triton kernels it launched (interpreted), in launch order."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_quant_gpu.py"), "--smoke", "--triton"],
+    r = subprocess.run(triton_interpreter.command(str(ROOT / "benchmarks" / "profile_quant_gpu.py"), "--smoke", "--triton"),
                        env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ": " in ln]
@@ -317,8 +319,9 @@ def test_tune_quant_gpu_smoke(tmp_path):
     right = "byte = ((hi4 << 4) | lo4).to(tl.uint8)"
     assert src.count(right) == 1
     (tmp_path / "planted.py").write_text(src.replace(right, "byte = ((lo4 << 4) | hi4).to(tl.uint8)"))
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_quant_gpu.py"), "--smoke", "--groups", "nf4 dequantize",
-                        "--against", str(tmp_path / "planted.py"), "--against-ops", "quantize nf4", "--json", str(out)],
+    r = subprocess.run(triton_interpreter.command(str(ROOT / "benchmarks" / "tune_quant_gpu.py"), "--smoke", "--groups", "nf4 dequantize",
+                                                 "--against", str(tmp_path / "planted.py"), "--against-ops", "quantize nf4",
+                                                 "--json", str(out)),
                        env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
     assert "[tune] settings that changed a result: ['--against planted']" in r.stdout, r.stdout[-2000:]

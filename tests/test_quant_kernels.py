@@ -20,6 +20,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -611,16 +612,24 @@ def test_triton_matches_cpp_interpreted():
     r = subprocess.run([sys.executable, __file__, "--triton"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "triton: all equal" in r.stdout
+    # the interpreter's shim (tests/triton_interpreter.py) took effect: without it this run
+    # takes about 1.8x as long
+    skipped = re.search(r"interpreter shim: (\d+) re-patches skipped", r.stdout)
+    assert skipped and int(skipped.group(1)) > 1000, r.stdout[-1000:]
 
 
 def triton_main() -> None:
     """Triton (TRITON_INTERPRET=1) against C++, bit for bit; small sizes: the interpreter runs
     each program in numpy."""
+    import triton_interpreter
+
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    triton_interpreter.install()
     triton_vs_cpp(torch.device("cpu"))
     triton_alignment_claims()
     triton_random_units()
     triton_cvt_compare()
+    print(f"interpreter shim: {triton_interpreter.skipped} re-patches skipped")
     print("triton: all equal")
 
 
