@@ -8,7 +8,9 @@ Design
   The workers fork from a fork server that has imported torch (``_mp_context``),
   so a start costs little, but each still imports the test's module and builds
   its process group: a test function should run a whole grid of configurations
-  inside one spawn via ``run_grid``.
+  inside one spawn via ``run_grid``.  ``run_distributed(preload=...)`` names more
+  modules for the workers to inherit (the Hugging Face tests: transformers); the fork
+  server restarts with them, and without them for the next test that names none.
 * ``run_grid(configs, body)`` (called inside the workers) runs ``body(**cfg)``
   for every configuration.  A failing configuration does not stop the grid:
   each failure is sent to the parent with its traceback, all ranks agree on the
@@ -434,16 +436,31 @@ def _exit(q, rank: int, code: int) -> None:
 # over: the test's environment (applied before the test function and its module are
 # unpickled) and its stdout/stderr (each rank writes to a file, which the parent copies to
 # its own streams, so pytest's capture sees it). FSDP_TEST_START=spawn restores the old way.
+# A test may name more modules for its workers to inherit (``run_distributed(preload=...)``: the
+# Hugging Face tests' ranks import about 9 s of CPU of transformers each); the fork server is
+# then restarted with them, and restarted without them for the next test that names none, so
+# every other test's workers start from torch alone, as before.
 _PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint"]
+_server_preload: list[str] | None = None  # what the running fork server preloaded
 
 
-def _mp_context():
+def _mp_context(preload: Iterable[str] = ()):
+    global _server_preload
     method = os.environ.get("FSDP_TEST_START", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"FSDP_TEST_START must be 'forkserver' or 'spawn', got {method!r}")
     mp = multiprocessing.get_context(method)
     if method == "forkserver":
-        mp.set_forkserver_preload(_PRELOAD)
+        from multiprocessing import forkserver
+
+        want = _PRELOAD + [m for m in preload if m not in _PRELOAD]
+        stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's (3.8+); without it, the first preload stays
+        if _server_preload is not None and want != _server_preload and stop is not None:
+            stop()
+            _server_preload = None
+        if _server_preload is None:
+            mp.set_forkserver_preload(want)
+            _server_preload = want
     return mp
 
 
@@ -471,16 +488,18 @@ def run_distributed(
     *args: Any,
     timeout: float | None = None,
     pg_timeout: float | None = None,
+    preload: Iterable[str] = (),
     **kwargs: Any,
 ) -> None:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; fail the test on any failure.
 
     ``fn`` must be a module-level function (it is pickled by reference).
     ``timeout``: wall-clock limit of the whole spawn; ``pg_timeout``: gloo
-    collective timeout (a collective a peer never joins raises after it).
+    collective timeout (a collective a peer never joins raises after it); ``preload``:
+    modules the workers inherit imported (see ``_PRELOAD``).
     """
     timeout = timeout or DEFAULT_TIMEOUT
-    mp = _mp_context()
+    mp = _mp_context(preload)
     old_omp = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # children inherit it before importing torch
     tmp = tempfile.TemporaryDirectory(prefix="fsdp_test_")

@@ -150,3 +150,22 @@ def test_start_method_switch_is_checked(monkeypatch):
     with pytest.raises(ValueError) as e:
         run_distributed(dist.barrier, 1)
     assert str(e.value) == "FSDP_TEST_START must be 'forkserver' or 'spawn', got 'fork'"
+
+
+def _modules_inherited(wanted: list[str], absent: list[str]) -> None:
+    import sys
+
+    rank = dist.get_rank()
+    assert all(m in sys.modules for m in wanted), f"rank {rank}: {[m for m in wanted if m not in sys.modules]} not preloaded"
+    assert not any(m in sys.modules for m in absent), f"rank {rank}: {[m for m in absent if m in sys.modules]} inherited"
+
+
+def test_preload_restarts_the_fork_server_and_the_next_test_starts_from_torch_alone():
+    """A test naming modules to preload (the Hugging Face tests) gets ranks that inherit them;
+    the next test naming none gets ranks from a fork server without them (so no other test's
+    ranks start with, say, transformers imported); naming the same modules again works too.
+    (wave, a standard module nothing here imports, stands for them.)"""
+    run_distributed(_modules_inherited, 2, ["torch"], ["wave"])
+    run_distributed(_modules_inherited, 2, ["torch", "wave"], [], preload=("wave",))
+    run_distributed(_modules_inherited, 1, ["torch", "wave"], [], preload=("wave",))
+    run_distributed(_modules_inherited, 2, ["torch"], ["wave"])

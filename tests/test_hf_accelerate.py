@@ -13,6 +13,7 @@ import re
 
 from dist_utils import ctx, full_params, grid, run_distributed, run_grid
 from test_hf_common import (
+    HF_PRELOAD,
     assert_same,
     check_impl,
     impl_handle,
@@ -266,7 +267,7 @@ def _ws2():
 
 def test_accelerate_parity_and_checkpoints_across_libraries_ws2():
     """One spawn (start-up dominates): the training grid, then save/load both ways."""
-    run_distributed(_ws2, 2, timeout=400)
+    run_distributed(_ws2, 2, timeout=400, preload=HF_PRELOAD)
 
 
 def _hsdp_grid():
@@ -280,7 +281,7 @@ def _hsdp_grid():
 def test_hybrid_shard_2x2_accelerate_and_shard_model():
     """HYBRID_SHARD on 4 ranks, one spawn (4 start-ups on 2 cores are the cost): Accelerate
     with ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), then shard_model's HSDP grid."""
-    run_distributed(_hsdp_grid, 4, timeout=400)
+    run_distributed(_hsdp_grid, 4, timeout=400, preload=HF_PRELOAD)
 
 
 LAUNCH_CONFIG = """\

@@ -16,6 +16,10 @@ PINNED = {"accelerate": "1.15.0", "transformers": "5.24.0"}
 
 VOCAB = 96
 SEQ = 16
+# What the multi-process Hugging Face tests' workers inherit imported from the fork server
+# (dist_utils.run_distributed(preload=...)): transformers' Trainer and Llama, Accelerate.
+# Imported by each rank instead, they took about 9 s of CPU a rank.
+HF_PRELOAD = ("transformers.trainer", "transformers.models.llama.modeling_llama", "accelerate")
 
 
 def tiny_llama_config(**kw):

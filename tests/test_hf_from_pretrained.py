@@ -18,7 +18,7 @@ import os
 import pytest
 
 from dist_utils import ctx, full_params, run_distributed, run_grid
-from test_hf_common import VOCAB, assert_same, check_impl, set_launcher_env, tiny_llama, token_batches, train_steps
+from test_hf_common import HF_PRELOAD, VOCAB, assert_same, check_impl, set_launcher_env, tiny_llama, token_batches, train_steps
 
 pytest.importorskip("transformers.distributed.fsdp", reason="a Transformers with its own FSDP2 path (5.x)")
 
@@ -154,7 +154,7 @@ def _grid():
 
 
 def test_from_pretrained_distributed_config_parity_ws2():
-    run_distributed(_grid, 2, timeout=400)
+    run_distributed(_grid, 2, timeout=400, preload=HF_PRELOAD)
 
 
 def _grid_4_ranks():
@@ -169,4 +169,4 @@ def test_from_pretrained_distributed_config_4_ranks():
     """dp_replicate_size=2, fsdp_size=2: a 2-D mesh, reduce-scatter then all-reduce. tp_size=2,
     fsdp_size=2: Transformers' TP plan on the "tp" dim, FSDP on the other. A MoE with expert
     parallelism (ep_size=2)."""
-    run_distributed(_grid_4_ranks, 4, timeout=400)
+    run_distributed(_grid_4_ranks, 4, timeout=400, preload=HF_PRELOAD)

@@ -23,7 +23,7 @@ import os
 import pytest
 
 from dist_utils import ctx, run_distributed, run_grid
-from test_hf_common import as_bits, assert_same, check_adapters_trained, set_launcher_env
+from test_hf_common import HF_PRELOAD, as_bits, assert_same, check_adapters_trained, set_launcher_env
 
 pytest.importorskip("peft", reason="peft is a test dependency (make test installs it)")
 
@@ -167,4 +167,4 @@ def _grid() -> None:
 
 
 def test_peft_lora_trainer_ws2():
-    run_distributed(_grid, 2, timeout=400)
+    run_distributed(_grid, 2, timeout=400, preload=HF_PRELOAD)

@@ -9,6 +9,7 @@ import os
 
 from dist_utils import ctx, full_params, run_distributed, run_grid
 from test_hf_common import (
+    HF_PRELOAD,
     SEQ,
     VOCAB,
     assert_same,
@@ -205,7 +206,7 @@ def _trainer_grid():
 
 
 def test_trainer_parity_ws2():
-    run_distributed(_trainer_grid, 2, timeout=400)
+    run_distributed(_trainer_grid, 2, timeout=400, preload=HF_PRELOAD)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,4 +266,4 @@ def _checkpoint_grid():
 
 
 def test_trainer_checkpoints_resume_and_cpu_offload_ws2():
-    run_distributed(_checkpoint_grid, 2, timeout=400)
+    run_distributed(_checkpoint_grid, 2, timeout=400, preload=HF_PRELOAD)
