@@ -21,6 +21,7 @@ a GPU run (``bench_gpu.py``) says how fast a kernel is.
 """
 from __future__ import annotations
 
+import ast
 import argparse
 import importlib.util
 import os
@@ -181,7 +182,7 @@ def compile_launch(gpu_mod, name: str, launch: dict, arch: int, cvt: bool | None
     if "CVT" in launch["kwargs"]:
         launch = dict(launch, kwargs=dict(launch["kwargs"], CVT=arch >= 89 if cvt is None else cvt))
     if "ASM" in launch["kwargs"]:  # inline PTX, as on an NVIDIA GPU (the recording ran on CPU tensors)
-        launch = dict(launch, kwargs=dict(launch["kwargs"], ASM=True))
+        launch = dict(launch, kwargs=dict(launch["kwargs"], ASM=2 if getattr(gpu_mod, "NF4_CODE_ASM", False) else 1))
     sig, consts, attrs = _signature(fn, launch)
     opts = {k: v for k, v in launch["kwargs"].items() if k in ("enable_fp_fusion", "enable_reflect_ftz", "num_warps", "maxnreg")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -206,9 +207,18 @@ def main() -> None:
     ap.add_argument("--work", choices=("all", "llama"), default="all")
     ap.add_argument("--cvt", choices=("auto", "on", "off"), default="auto",
                     help="the kernels' GPU conversion instructions (auto: as a GPU of --arch gets them, 8.9 and up)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a module constant of the kernels set first, e.g. NF4_CODE_ASM=True (a Python literal; repeatable)")
+    ap.add_argument("--ops", nargs="*", metavar="OP", help="compile these ops' launches only (e.g. 'quantize nf4')")
     a = ap.parse_args()
     interp = load_kernels(a.kernels, interpret=True)
     gpu = load_kernels(a.kernels, interpret=False)
+    for item in a.set:
+        name, _, value = item.partition("=")
+        if not hasattr(gpu, name):
+            ap.error(f"argument --set: the kernels have no constant {name!r}")
+        for mod in (interp, gpu):
+            setattr(mod, name, ast.literal_eval(value))
     cvt = {"auto": None, "on": True, "off": False}[a.cvt]
     print(f"{a.kernels}: sm_{a.arch}, world size {WORLD_SIZE}, rank {RANK}, bf16 shards, conversion instructions {a.cvt}")
     out = []
@@ -217,6 +227,8 @@ def main() -> None:
         print(f"\n{work_name}")
         print(f"{'op':38} {'kernel':20} {'programs':>8} {'elem/prog':>9} {'SASS':>5} {'whole tiles /elem':>17} {'regs':>4}  loop  loads / stores (LDG / STG global, LDL / STL spills)")
         for op, name, launch in record_launches(interp, work):
+            if a.ops is not None and op not in a.ops:
+                continue
             s = compile_launch(gpu, name, launch, a.arch, cvt)
             out.append(dict(s, work=work_name, op=op, kernel=name))
             fast = f"{s['fast_per_element']:.1f}" if s["fast"] else "-"

@@ -70,6 +70,12 @@ def groups(smoke: bool) -> dict[str, tuple[list[str], list[dict]]]:
         # The amax pass with its registers capped (AMAX_MAXNREG; by default the compiler's
         # choice: 72 a thread with Triton 3.6, no spill at 64).
         "amax registers": (["quantize_amax", "quantize fp8_tensorwise"], [dict(AMAX_MAXNREG=64), dict(AMAX_MAXNREG=56)]),
+        # The NF4 quantize's code steps in inline PTX (NF4_CODE_ASM: fewer instructions, more
+        # registers), alone and under register caps (sm_90 SASS: 22.4 instructions an element and
+        # 216 registers uncapped, 23.3 and 96 at 96, against 24.0 and 168 by default).
+        "nf4 code": (["quantize nf4"], [
+            dict(NF4_CODE_ASM=True), *(dict(NF4_CODE_ASM=True, NF4_MAXNREG=r) for r in (96, 112, 144)),
+        ]),
         # NF4's alone (since each element gathers its block's value, its best shape may differ).
         "nf4 dequantize": (["dequantize nf4"], [
             {"DEQ_SHAPES": {"nf4": (b, w)}}  # merged into the defaults (below)

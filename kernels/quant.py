@@ -69,6 +69,15 @@ AMAX_WARPS = 4
 AMAX_MAXNREG = None
 FP8_WARPS = 4
 NF4_WARPS = 2
+# The NF4 quantize's code steps after the cubic in one piece of inline PTX (_nf4_code_from, ASM
+# 2): the truncation to an unsigned int (negatives and NaN become 0, so no maximum), the
+# midpoint's load, and the compare's -1 / 0 subtracted (no select). In sm_90 SASS (Triton 3.6,
+# benchmarks/triton_sass.py): 24.0 -> 22.4 instructions an element, but 216 registers instead
+# of 168; with NF4_MAXNREG = 96, 23.3 and 96 (10 programs an SM instead of 6), no spill (Triton
+# 3.9: 23.4 and 96, one 8-byte spill). Off until a GPU has run it bit for bit and timed it (the
+# "nf4 code" tune group does both): the interpreter cannot run inline PTX.
+NF4_CODE_ASM = False
+NF4_MAXNREG = None  # a register cap for the NF4 quantize (None: the compiler's choice)
 ROW_WARP_ELEMS = 512
 DEQ_SHAPES = {"fp8_tensorwise": (2048, 1), "fp8_rowwise": (2048, 1), "nf4": (1024, 1)}
 
@@ -305,6 +314,12 @@ def _nf4_code_from(v, mids, ASM: tl.constexpr):
     layout for it and compute h three times. About 10 instructions an element where a binary
     search over the midpoints took about 20."""
     h = tl.fma(tl.fma(tl.fma(v, _H3, _H2), v, _H1), v, _H0)
+    if ASM == 2:  # (NF4_CODE_ASM) k = trunc(h) as unsigned (PTX clamps: negatives, NaN -> 0), then k - (v > m ? -1 : 0)
+        return tl.inline_asm_elementwise(
+            "{ .reg .u32 k, c; .reg .u64 a; .reg .f32 m; cvt.rzi.u32.f32 k, $1; mul.wide.u32 a, k, 4; add.u64 a, a, $3; "
+            "ld.global.nc.f32 m, [a]; set.gt.u32.f32 c, $2, m; sub.s32 $0, k, c; }", "=r,f,f,l",
+            [h, v, tl.broadcast_to(mids.to(tl.int64, bitcast=True), v.shape)], dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
     k = tl.maximum(h.to(tl.int32), 0)
     if ASM:
         m = tl.inline_asm_elementwise(
@@ -673,6 +688,14 @@ def _cvt(device: torch.device) -> bool:
     return _CAPABILITY[i] >= (8, 9)
 
 
+def _nf4_asm(device: torch.device) -> int:
+    """The NF4 quantize's ASM: 0 no inline PTX (the interpreter, AMD GPUs), 1 the midpoint
+    table read by it (NVIDIA GPUs), 2 the code's last steps too (NF4_CODE_ASM)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return 0
+    return 2 if NF4_CODE_ASM else 1
+
+
 def _aligned(*values: int, to: int = 16) -> bool:
     """Whether every address and byte offset is a multiple of ``to`` (16: the launch may tell
     the compiler that its runs of 16 bytes are aligned; 4: fp32 scales may be accessed as such)."""
@@ -891,8 +914,8 @@ def _quantize_plan(shards, padded_numels, row_numels, format, block_size, amax_g
             if n:
                 launches.append(_Launch(_nf4_quantize_kernel, n, meta, starts, ("out", _nf4_table(out.device, NF4_MIDPOINTS), len(idx)), dict(
                     SRC=_KIND[dtype], LOG2=_log2(len(idx)), BS=block_size, NB=nb, V=v, HINT=hint,
-                    SA=_aligned(out.data_ptr(), to=4), ASM=out.device.type == "cuda" and torch.version.hip is None,
-                    num_warps=NF4_WARPS, **_OPTS,
+                    SA=_aligned(out.data_ptr(), to=4), ASM=_nf4_asm(out.device),
+                    num_warps=NF4_WARPS, **_OPTS, **({"maxnreg": NF4_MAXNREG} if NF4_MAXNREG else {}),
                 )))  # fmt: skip
         return 0, launches
     rowwise = format == Q.FP8_ROWWISE

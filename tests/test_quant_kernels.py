@@ -790,6 +790,19 @@ def test_triton_kernels_compile_to_wide_accesses(tmp_path, arch):
         assert row["mem"].get("LDG.128", 0) + row["mem"].get("STG.128", 0) > 0, row
         # no register spills (a register cap, kernels.quant.AMAX_MAXNREG, could make some)
         assert not [k for k in row["mem"] if k.startswith(("LDL", "STL"))], row
+    # The NF4 quantize's code in inline PTX (NF4_CODE_ASM, off by default until a GPU runs it,
+    # the "nf4 code" tune group): ptxas takes it, and under the tune group's cap of 96 registers
+    # it keeps its wide accesses and spills nothing (Triton 3.6; 3.9 spills 8 bytes).
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "triton_sass.py"), "--work", "llama", "--json", str(out),
+                        "--arch", str(arch), "--set", "NF4_CODE_ASM=True", "--set", "NF4_MAXNREG=96", "--ops", "quantize nf4"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["regs"] <= 96 and row["mem"].get("LDG.128", 0) > 0, row
+    import triton
+
+    if triton.__version__.startswith("3.6"):
+        assert not [k for k in row["mem"] if k.startswith(("LDL", "STL"))], row
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _triton_available(), reason="needs a GPU and triton")
