@@ -76,6 +76,9 @@ def groups(smoke: bool) -> dict[str, tuple[list[str], list[dict]]]:
         "nf4 code": (["quantize nf4"], [
             dict(NF4_CODE_ASM=True), *(dict(NF4_CODE_ASM=True, NF4_MAXNREG=r) for r in (96, 112, 144)),
         ]),
+        # The NF4 dequantize's value by a gather or by a table load and multiply (NF4_DEQ_GATHER:
+        # by default the gather up to Triton 3.8, the load from 3.9, from their SASS; both timed).
+        "nf4 dequantize path": (["dequantize nf4"], [dict(NF4_DEQ_GATHER=True), dict(NF4_DEQ_GATHER=False)]),
         # NF4's alone (since each element gathers its block's value, its best shape may differ).
         "nf4 dequantize": (["dequantize nf4"], [
             {"DEQ_SHAPES": {"nf4": (b, w)}}  # merged into the defaults (below)

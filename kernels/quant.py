@@ -80,6 +80,13 @@ NF4_CODE_ASM = False
 NF4_MAXNREG = None  # a register cap for the NF4 quantize (None: the compiler's choice)
 ROW_WARP_ELEMS = 512
 DEQ_SHAPES = {"fp8_tensorwise": (2048, 1), "fp8_rowwise": (2048, 1), "nf4": (1024, 1)}
+# How the NF4 dequantize finds an element's value: gathered from its block's 16 (tl.gather,
+# warp shuffles), or loaded from the NF4 table and multiplied by the block's scale. The gather
+# takes fewer instructions up to Triton 3.8, but Triton 3.9 (torch 2.15's) lowers it with 2.6x
+# the shuffles and 4.6x the selects: in sm_90 SASS (benchmarks/triton_sass.py, tiles of 1024),
+# gather / load: Triton 3.6 12.9 / 19.0 instructions an element, 3.7 14.0 / 16.7, 3.8 14.4 /
+# 16.7, 3.9 24.8 / 16.7. The same bits either way (each value the same product and rounding).
+NF4_DEQ_GATHER = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
 
 # Whether kernels on GPUs of compute capability 8.9 and up round fp32 to e4m3 and bf16, and
 # decode e4m3, with the GPU's conversion instructions (the same bits as the integer math, which
@@ -595,13 +602,14 @@ def _fp8_values(codes, dst, lo, hi, scale, OUT: tl.constexpr, FULL: tl.constexpr
 
 @triton.jit
 def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.constexpr, HINT: tl.constexpr, BS: tl.constexpr,
-                NB: tl.constexpr, V: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr):  # fmt: skip
+                NB: tl.constexpr, V: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
     """Elements [lo, hi) (lo a block's first) of one rank's NF4 codes (their scales: the table
     at ``scales``) into ``dst``. Each block's 16 possible outputs are made once (the value
     times the scale, rounded), and each element gathers its own from them (a warp shuffle on
     a GPU): 14.2 instructions an element on sm_90 where a table load, multiply and rounding
     per element took 19.6 (benchmarks/triton_sass.py; the kernel is bound by instruction
-    issue). The same bits: each output is the same product and rounding."""
+    issue). The same bits: each output is the same product and rounding. Without GATHER
+    (NF4_DEQ_GATHER: Triton 3.9), each element's value is loaded from the table and multiplied."""
     k = tl.arange(0, NB)
     b = k[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # bytes of the tile
     e = k[:, None] * BS + tl.arange(0, BS)[None, :]  # elements of the tile
@@ -611,8 +619,11 @@ def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.c
     else:
         s = _load_scales(scales, lo // BS + tl.where(lo + k * BS < hi, k, 0), SA)  # (past hi: the first's)
         c = tl.load(codes + (lo // 2 + b), mask=lo + 2 * b < hi, other=0).to(tl.int32)
-    t = _out_bits(tl.load(table + tl.arange(0, 16))[None, :] * s[:, None], OUT, CVT)  # [NB, 16]
-    bits = tl.interleave(tl.gather(t, c >> 4, 1), tl.gather(t, c & 15, 1))
+    if GATHER:
+        t = _out_bits(tl.load(table + tl.arange(0, 16))[None, :] * s[:, None], OUT, CVT)  # [NB, 16]
+        bits = tl.interleave(tl.gather(t, c >> 4, 1), tl.gather(t, c & 15, 1))
+    else:
+        bits = _out_bits(tl.interleave(tl.load(table + (c >> 4)), tl.load(table + (c & 15))) * s[:, None], OUT, CVT)
     if FULL:
         tl.store(_out_ptrs(dst + lo * (16 // V), e, OUT, HINT, V), bits)
     else:
@@ -623,10 +634,10 @@ def _nf4_values(codes, scales, table, dst, lo, hi, OUT: tl.constexpr, FULL: tl.c
 def _dequantize_kernel(
     meta, starts, gathered, rank_stride, table, n_params,
     FMT: tl.constexpr, OUT: tl.constexpr, LOG2: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr,
-    HINT: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr,
+    HINT: tl.constexpr, CVT: tl.constexpr, SA: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     """One tile of one rank's slice of a parameter: BLOCK elements (fp8_rowwise: within one
-    row, so one scale), or BLOCK // BS whole NF4 blocks."""
+    row, so one scale), or BLOCK // BS whole NF4 blocks (GATHER: see _nf4_values)."""
     pid = tl.program_id(0).to(tl.int64)
     p, t = _find_param(starts, n_params, pid, LOG2)
     t = t.to(tl.int32)  # task indices fit 32 bits (the grid does)
@@ -648,9 +659,9 @@ def _dequantize_kernel(
     dst = _load_meta(meta, p, 0) + r * padded * (4 if OUT == 0 else 2)
     if FMT == 2:
         if lo + BLOCK <= hi:
-            _nf4_values(codes, scales, table, dst, lo, hi, OUT, True, HINT, BS, BLOCK // BS, V, CVT, SA)
+            _nf4_values(codes, scales, table, dst, lo, hi, OUT, True, HINT, BS, BLOCK // BS, V, CVT, SA, GATHER)
         else:
-            _nf4_values(codes, scales, table, dst, lo, hi, OUT, False, HINT, BS, BLOCK // BS, V, CVT, SA)
+            _nf4_values(codes, scales, table, dst, lo, hi, OUT, False, HINT, BS, BLOCK // BS, V, CVT, SA, GATHER)
     else:
         scale = _load_scales(scales, rr, SA)
         if lo + BLOCK <= hi:
@@ -995,7 +1006,8 @@ def _dequantize_launches(gathered, padded_numels, row_numels, world_size, format
             )
             launches.append(_Launch(_dequantize_kernel, n, meta, starts, ("gathered", rank_stride, _nf4_table(gathered.device), len(sub)), dict(
                 FMT=fmt, OUT=_KIND[dtype], LOG2=_log2(len(sub)), BS=block_size, BLOCK=block, V=v, HINT=hint,
-                CVT=_cvt(gathered.device), SA=_aligned(gathered.data_ptr(), rank_stride, to=4), num_warps=_warps(block, warps), **_OPTS,
+                CVT=_cvt(gathered.device), SA=_aligned(gathered.data_ptr(), rank_stride, to=4), num_warps=_warps(block, warps),
+                GATHER=NF4_DEQ_GATHER or format != Q.NF4, **_OPTS,
             )))  # fmt: skip
     return launches
 

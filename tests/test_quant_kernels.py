@@ -628,6 +628,7 @@ def triton_main() -> None:
     triton_vs_cpp(torch.device("cpu"))
     triton_alignment_claims()
     triton_random_units()
+    triton_nf4_dequantize_without_gather()
     triton_cvt_compare()
     print(f"interpreter shim: {triton_interpreter.skipped} re-patches skipped")
     print("triton: all equal")
@@ -663,6 +664,28 @@ def triton_random_units() -> None:
 
     check()
     print("random units equal")
+
+
+def triton_nf4_dequantize_without_gather() -> None:
+    """The NF4 dequantize's other way to an element's value (kernels.quant.NF4_DEQ_GATHER: the
+    gather up to Triton 3.8, a table load and multiply from 3.9), bit for bit against the C++
+    kernel: the small shapes in every dtype, whole tiles and misaligned buffers in fp32 and bf16."""
+    Q._import_triton_kernels()
+    from fsdp_native.kernels import quant as K
+
+    gen = torch.Generator().manual_seed(11)
+    K.NF4_DEQ_GATHER = not K.NF4_DEQ_GATHER
+    K._PLANS.clear()
+    try:
+        for shapes, dtypes, misaligned in (([(), (1,), (3, 5), (9, 2), (5, 130)], FLOATS, False),
+                                           ([(24, 1024), (7, 1024)], (f32, bf16), False), ([(6, 2048 + 8)], (f32, bf16), True)):  # fmt: skip
+            for src in dtypes:
+                fulls = [make_values(sh, src, gen, special=True) for sh in shapes]
+                _triton_round_trip(torch.device("cpu"), fulls, 3, Q.NF4, dtypes, misaligned, garbage=True)
+    finally:
+        K.NF4_DEQ_GATHER = not K.NF4_DEQ_GATHER
+        K._PLANS.clear()
+    print(f"NF4 dequantize with NF4_DEQ_GATHER={not K.NF4_DEQ_GATHER} equal")
 
 
 def triton_cvt_compare() -> None:
