@@ -28,6 +28,7 @@ last tile is masked. A call's launches are worked out once per unit (``_PLANS``)
 from __future__ import annotations
 
 import os
+import re
 from typing import NamedTuple
 
 import torch
@@ -80,13 +81,21 @@ NF4_CODE_ASM = False
 NF4_MAXNREG = None  # a register cap for the NF4 quantize (None: the compiler's choice)
 ROW_WARP_ELEMS = 512
 DEQ_SHAPES = {"fp8_tensorwise": (2048, 1), "fp8_rowwise": (2048, 1), "nf4": (1024, 1)}
+
+
+def _triton_release() -> tuple[int, int]:
+    """The installed Triton's (major, minor); (0, 0) where its version string has neither."""
+    m = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return (int(m[1]), int(m[2])) if m else (0, 0)
+
+
 # How the NF4 dequantize finds an element's value: gathered from its block's 16 (tl.gather,
 # warp shuffles), or loaded from the NF4 table and multiplied by the block's scale. The gather
 # takes fewer instructions up to Triton 3.8, but Triton 3.9 (torch 2.15's) lowers it with 2.6x
 # the shuffles and 4.6x the selects: in sm_90 SASS (benchmarks/triton_sass.py, tiles of 1024),
 # gather / load: Triton 3.6 12.9 / 19.0 instructions an element, 3.7 14.0 / 16.7, 3.8 14.4 /
 # 16.7, 3.9 24.8 / 16.7. The same bits either way (each value the same product and rounding).
-NF4_DEQ_GATHER = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
+NF4_DEQ_GATHER = _triton_release() < (3, 9)
 
 # Whether kernels on GPUs of compute capability 8.9 and up round fp32 to e4m3 and bf16, and
 # decode e4m3, with the GPU's conversion instructions (the same bits as the integer math, which
