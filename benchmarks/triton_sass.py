@@ -42,21 +42,24 @@ OVERHEAD_BLOCK = [(256, 128), (128, 256)]
 _TYPES = {torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def load_kernels(path: str, interpret: bool):
-    """kernels/quant.py (or another version of it) as a module; jitted for the GPU when not
-    `interpret`."""
+def load_kernels(path: str, interpret: bool | None, name: str | None = None):
+    """kernels/quant.py (or another version of it) as a module of its own (its own plans and
+    launch tables); jitted for the GPU when not `interpret`, as TRITON_INTERPRET says when
+    `interpret` is None."""
     import triton.compiler.code_generator  # noqa: F401 - triton's own jitted library, jitted for the GPU
     import triton.language  # noqa: F401
 
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    name = f"_triton_sass_kernels_{int(interpret)}"
+    if interpret is not None:
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    name = name or f"_triton_sass_kernels_{int(bool(interpret))}"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     try:
         spec.loader.exec_module(mod)
     finally:
-        os.environ.pop("TRITON_INTERPRET")
+        if interpret is not None:
+            os.environ.pop("TRITON_INTERPRET")
     return mod
 
 

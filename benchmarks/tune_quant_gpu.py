@@ -191,17 +191,13 @@ AB_OPS = ["quantize_amax", "quantize fp8_tensorwise", "quantize fp8_tensorwise, 
 
 
 def load_other(path: str):
-    """Another version of kernels/quant.py as its own module (its own plans and launch tables;
-    the *_triton ops it registers again are not what the eager functions timed here call)."""
-    import importlib.util
+    """Another version of kernels/quant.py as its own module (the *_triton ops it registers
+    again are not what the eager functions timed here call)."""
+    from benchmarks.triton_sass import load_kernels
 
     if not os.path.isfile(path):
         raise SystemExit(f"tune_quant_gpu.py: argument --against: no such file {path!r}")
-    spec = importlib.util.spec_from_file_location("_tune_against_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_kernels(path, None, "_tune_against_kernels")
 
 
 def against(works: dict, ops: list[str], rounds: int, time_of, floor_of, smoke: bool) -> dict:
