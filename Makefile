@@ -4,7 +4,7 @@ PIP := .venv/bin/pip
 TORCH_VERSION ?= 2.13.0
 # Hugging Face integration (fsdp_native.integrations, tests/test_hf_*.py): the tested versions.
 TRANSFORMERS_VERSION ?= 5.24.0
-ACCELERATE_VERSION ?= 1.15.0
+ACCELERATE_VERSION ?= 1.16.0
 # PEFT: LoRA fine-tuning through the Trainer (tests/test_hf_peft.py).
 PEFT_VERSION ?= 0.21.2
 # Lightning Fabric's ModelParallelStrategy (tests/test_lightning.py).

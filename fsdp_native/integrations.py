@@ -64,7 +64,7 @@ __all__ = [
 
 # The versions the test suite (tests/test_hf_*.py) runs against; the Makefile pins them.
 TESTED_VERSIONS: dict[str, tuple[str, ...]] = {
-    "accelerate": ("1.15.0",),
+    "accelerate": ("1.15.0", "1.16.0"),
     "transformers": ("5.18.0", "5.24.0"),
 }
 
@@ -445,7 +445,7 @@ def _install(what: str, *, fsdp_native: bool, cpu: bool, all_gather=None) -> Acc
     if importlib.util.find_spec("accelerate") is None:
         raise ImportError(
             f"{what}: accelerate is not installed "
-            f"(tested with {_tested_text()}): pip install accelerate=={TESTED_VERSIONS['accelerate'][0]}"
+            f"(tested with {_tested_text()}): pip install accelerate=={TESTED_VERSIONS['accelerate'][-1]}"
         )
     with _LOCK:
         if _ACTIVE:

@@ -12,7 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 # The versions the HF tests were written and run against (the Makefile installs these).
-PINNED = {"accelerate": "1.15.0", "transformers": "5.24.0"}
+PINNED = {"accelerate": "1.16.0", "transformers": "5.24.0"}
 
 VOCAB = 96
 SEQ = 16
@@ -269,7 +269,7 @@ def test_unknown_hook_points_fail_clearly(monkeypatch):
         fi.use_with_accelerate(cpu=True)
     msg = str(e.value)
     assert f"accelerate {PINNED['accelerate']}" in msg and f"transformers {PINNED['transformers']}" in msg
-    assert "tested with accelerate 1.15.0, transformers 5.18.0 / 5.24.0" in msg
+    assert "tested with accelerate 1.15.0 / 1.16.0, transformers 5.18.0 / 5.24.0" in msg
     assert "fsdp2_prepare_model does not import fully_shard from torch.distributed.fsdp" in msg
     assert "accelerate.utils.fsdp_utils bind(s) torch's fully_shard at import time" in msg
     assert tfsdp.fully_shard is not __import__("fsdp_native").fully_shard  # nothing patched
