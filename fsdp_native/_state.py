@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn as nn
@@ -147,6 +148,13 @@ class RootContext:
         # zeros, as in torch FSDP2, if it was ever unsharded.
         for u in self._order():
             if self._unreached(u):
+                u.post_backward(force=True)
+            elif not u.backward_reached and u.has_unreduced_grads():
+                # Gradients that no pre- or post-backward hook saw: as torch FSDP2's final
+                # callback, which runs every unit's post-backward, they are reduced now. The
+                # pre-backward hook on an output is lost when the caller modifies that output
+                # in place while it is a view (`_hook_outputs`), and a unit whose inputs need no
+                # gradient (the first block) has no post-backward of its own.
                 u.post_backward(force=True)
             else:
                 u.post_backward()
@@ -419,7 +427,25 @@ def _hook_outputs(unit: Unit, output) -> None:
     hook = unit.pre_backward_hook
     for t in (output,) if type(output) is torch.Tensor else _tree.tensors(output):
         if t.requires_grad:
+            if t._base is not None:
+                _warn_view_output(unit, t)
             t.register_hook(hook)
+
+
+def _warn_view_output(unit: Unit, t: torch.Tensor) -> None:
+    """An in-place op on a view gives the view a new autograd node: the hook registered on the
+    old one never runs, so the unit's backward starts without its all-gather (torch FSDP2 warns
+    of the same since torch 2.13)."""
+    names = ", ".join(type(m).__name__ for m in unit.modules) or "?"
+    warnings.warn(
+        f"fully_shard: the forward of unit '{unit.fqn or 'root'}' ({names}) returned a view "
+        f"(shape {tuple(t.shape)}) that requires grad. An in-place op on it (`out += y`) drops the "
+        "unit's pre-backward hook, so the unit's backward runs without its all-gather: with "
+        "reshard_after_forward it fails. Use an out-of-place op (`out = out + y`) or return a "
+        "`.clone()`.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def pre_backward(unit: Unit) -> None:

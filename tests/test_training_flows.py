@@ -17,10 +17,20 @@
   gradients reach the discriminator's units too and are zeroed before its next step. Losses
   and parameters of both models are compared.
 
+* **In-place ops on a unit's output that is a view** (``h = block(h); h += c``, each block
+  returning a slice of its result), with ``reshard_after_forward=False``. The in-place op
+  gives the view a new autograd node, so the pre-backward hook registered on its old one never
+  runs. Torch FSDP2's end-of-backward callback still reduces those units' gradients; the first
+  block, whose input needs no gradient, has nothing else that would (fsdp_native left its
+  gradients unreduced, None on the sharded parameters, until 2026-12-02). fsdp_native warns of
+  such outputs, as torch FSDP2 does since 2.13.
+
 Bit for bit torch FSDP2's losses, gradients of the last step (None where torch has None) and
 parameters, in fp32 and with a bf16 policy; in fp32 also an unsharded model trained on the mean
 of the ranks' losses, within 1e-6 (Muon: within 1e-2, 2e-2 before torch 2.11, as its iterations
 run in bf16)."""
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -52,9 +62,38 @@ class DropStack(BlockStack):
         return self.out(h)
 
 
-def _model() -> DropStack:
+class SliceOut(ResidualMLP):
+    """A block whose output is a view (a slice) of its result."""
+
+    def forward(self, x):
+        return super().forward(x)[:, :]
+
+
+class InplaceViewStack(BlockStack):
+    """The blocks' outputs modified in place. The first block takes the input itself (no
+    gradient), so no post-backward of its inputs covers it."""
+
+    def forward(self, x):
+        h = x
+        for b in self.blocks:
+            h = b(h)
+            h += 0.25
+        return self.out(h)
+
+
+def _model(flow: str = "") -> DropStack:
     torch.manual_seed(0)
+    if flow == "inplace_view":
+        return InplaceViewStack(lambda: SliceOut(4, 10), dim=4, n=3)
     return DropStack(lambda: ResidualMLP(6, 10), dim=6, n=3)
+
+
+VIEW_WARNING = (
+    "fully_shard: the forward of unit 'blocks.{i}' (FSDPSliceOut) returned a view (shape (4, 4)) that requires "
+    "grad. An in-place op on it (`out += y`) drops the unit's pre-backward hook, so the unit's backward runs "
+    "without its all-gather: with reshard_after_forward it fails. Use an out-of-place op (`out = out + y`) or "
+    "return a `.clone()`."
+)
 
 
 def _optim(flow: str, model):
@@ -107,9 +146,16 @@ def _train(model, flow: str, forward_loss) -> dict:
 
 
 def _sharded_run(impl, flow: str, mp: bool) -> dict:
-    model = shard_stack(impl, _model(), mp=mp)
+    kw = dict(reshard_after_forward=False) if flow == "inplace_view" else {}
+    model = shard_stack(impl, _model(flow), mp=mp, **kw)
     xs = _inputs(dist.get_rank())
-    return _train(model, flow, lambda m, step: m(xs[step]).float().pow(2).mean())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = _train(model, flow, lambda m, step: m(xs[step]).float().pow(2).mean())
+    if impl.name == "fsdp_native":  # each forward warns of each block's view output
+        got = [str(w.message) for w in seen if "returned a view" in str(w.message)]
+        assert got == ([VIEW_WARNING.format(i=i) for i in range(3)] * STEPS if flow == "inplace_view" else []), got
+    return out
 
 
 def _unsharded_run(flow: str) -> dict:
@@ -124,7 +170,7 @@ def _unsharded_run(flow: str) -> dict:
         own.append(per_rank[rank].item())
         return torch.stack(per_rank).mean()
 
-    out = _train(_model(), flow, forward_loss)
+    out = _train(_model(flow), flow, forward_loss)
     out["losses"] = own
     return out
 
@@ -181,7 +227,7 @@ def _gan_body(mp: bool) -> None:
 
 
 def _check() -> None:
-    run_grid(grid(flow=["layerdrop", "fused_adamw_groups", "muon_adamw"], mp=[False, True]), _body)
+    run_grid(grid(flow=["layerdrop", "fused_adamw_groups", "muon_adamw", "inplace_view"], mp=[False, True]), _body)
     run_grid(grid(mp=[False, True]), _gan_body)
 
 
