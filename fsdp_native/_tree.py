@@ -67,16 +67,23 @@ def tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
-    """`tree` with every tensor ``t`` replaced by ``fn(t)``. A container pytree does not know is
-    rebuilt, of its own type, only where a child changed (a dataclass by ``dataclasses.replace``,
-    as torch FSDP2 rebuilds it)."""
+    """`tree` with every tensor ``t`` replaced by ``fn(t)``. A container is rebuilt, of its own
+    type, only where a child changed (a dataclass by ``dataclasses.replace``, as torch FSDP2
+    rebuilds it); one where none changed is kept, the same object, as torch 2.13's FSDP2 keeps
+    the containers of a unit's inputs: a block that appends to a list it was passed (say, its
+    router's auxiliary losses) appends to the caller's list."""
 
-    def leaf(x: Any) -> Any:
+    def go(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return fn(x)
-        children = _children(x)
-        if not children:
+        # One level of pytree: x's own children (x itself where pytree takes it for a leaf).
+        children, spec = pytree.tree_flatten(x, is_leaf=lambda y: y is not x)
+        if len(children) == 1 and children[0] is x:
+            kids = _children(x)
+            return _rebuild(x, kids, [go(k) for k in kids]) if kids else x
+        new = [go(c) for c in children]
+        if all(n is o for n, o in zip(new, children)):
             return x
-        return _rebuild(x, children, map_tensors(fn, children))
+        return pytree.tree_unflatten(new, spec)
 
-    return pytree.tree_map(leaf, tree)
+    return go(tree)

@@ -7,6 +7,11 @@ outputs'. Before 2026-11-29 fsdp_native took such a state for a leaf (torch's py
 know it), so the block's backward ran without its parameters gathered again and failed
 (``setStorage: ... out of bounds for storage of size 0``), as on torch 2.11.
 
+Also a block that records statistics in a dict it was passed (``h = block(h, stats)``): the
+caller's dict receives them. Before 2026-12-02 fsdp_native rebuilt every container of a unit's
+inputs when it registered the post-backward, so the block wrote to a copy and the entries were
+lost; torch 2.13's FSDP2 keeps a container whose contents it did not replace.
+
 Checked: a frozen and a plain dataclass, one nested in a dict, and the dict subclass; fp32 and a
 bf16 policy (where torch FSDP2 turns the dict subclass into a plain dict when it casts, and
 fails; fsdp_native keeps its type); losses
@@ -152,8 +157,75 @@ def check(kind: str, mp: bool) -> None:
         assert_same_run(f"[{impl.name}] {kind} mp={mp} vs torch", got, _train(ref_impl(), kind, mp))
 
 
+class SinkBlock(nn.Module):
+    """``forward(h, stats)``: records its router's load (a count) in the dict it is passed and
+    returns the new hidden state, as training code often collects per-layer statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(DIM, 2)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, h, stats: dict):
+        gates = torch.softmax(self.router(h), dim=-1)
+        stats[f"load{len(stats)}"] = int((gates[..., 0] > 0.5).sum())
+        return h + torch.tanh(self.proj(h)) * gates[..., :1]
+
+
+class SinkNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, DIM)
+        self.blocks = nn.ModuleList(SinkBlock() for _ in range(3))
+        self.out = nn.Linear(DIM, 1)
+        self.counts: list[int] = []
+
+    def forward(self, x):
+        h, stats = self.inp(x), {}
+        for b in self.blocks:
+            h = b(h, stats)
+        self.counts.append(len(stats))
+        return self.out(h).float(), torch.zeros(())
+
+
+def _train_sink(impl, mp: bool) -> dict:
+    torch.manual_seed(0)
+    model = SinkNet()
+    if impl is not None:
+        kw = dict(mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if mp else {}
+        for b in model.blocks:
+            impl.fully_shard(b, **kw)
+        impl.fully_shard(model, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ws, losses = dist.get_world_size(), []
+    for step in range(STEPS):
+        ranks = [dist.get_rank()] if impl is not None else range(ws)
+        per_rank = {r: _loss(model, *_data(step, r)) for r in ranks}
+        (sum(per_rank.values()) / len(ranks)).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(per_rank[dist.get_rank()].detach())
+    params = full_params(model) if impl is not None else {n: p.detach() for n, p in model.named_parameters()}
+    return dict(losses=torch.stack(losses), params=params, counts=model.counts)
+
+
+def check_stats_dict(mp: bool) -> None:
+    """A block writes to a dict argument that holds no tensor: the caller's dict gets every
+    block's entry. torch FSDP2 keeps that dict from torch 2.13 on, without a cast (its mp cast
+    and torch 2.11's post-backward registration rebuild every container: the entries are lost)."""
+    impl = load_impl()
+    got = _train_sink(impl, mp)
+    keeps = impl.name == "fsdp_native" or (not mp and _compat.TORCH_VERSION >= (2, 13))
+    expected = [3 if keeps else 0] * STEPS
+    assert got["counts"] == expected, f"[{impl.name}] mp={mp}: entries per forward {got['counts']}, expected {expected}"
+    if not mp:
+        assert_same_run(f"[{impl.name}] stats dict vs unsharded", got, _train_sink(None, mp), dict(rtol=1e-5, atol=1e-5))
+        assert_same_run(f"[{impl.name}] stats dict vs torch", got, _train_sink(ref_impl(), mp))
+
+
 def _grid():
     run_grid(grid(kind=["dataclass", "dict"], mp=[False, True]), check, name="dataclass states")
+    run_grid(grid(mp=[False, True]), check_stats_dict, name="stats dict")
 
 
 def test_dataclass_inputs_and_outputs_match_torch():
