@@ -70,8 +70,8 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """`tree` with every tensor ``t`` replaced by ``fn(t)``. A container is rebuilt, of its own
     type, only where a child changed (a dataclass by ``dataclasses.replace``, as torch FSDP2
     rebuilds it); one where none changed is kept, the same object, as torch 2.13's FSDP2 keeps
-    the containers of a unit's inputs: a block that appends to a list it was passed (say, its
-    router's auxiliary losses) appends to the caller's list."""
+    the containers of a unit's inputs: a block that records statistics in a dict it was passed
+    writes to the caller's dict."""
 
     def go(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
