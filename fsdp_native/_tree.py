@@ -66,6 +66,9 @@ def tensors(tree: Any) -> list[torch.Tensor]:
     return out
 
 
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+
+
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """`tree` with every tensor ``t`` replaced by ``fn(t)``. A container is rebuilt, of its own
     type, only where a child changed (a dataclass by ``dataclasses.replace``, as torch FSDP2
@@ -76,6 +79,15 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     def go(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return fn(x)
+        typ = type(x)
+        if typ in _ATOMS:
+            return x
+        if typ is tuple or typ is list:  # the common containers without a pytree call
+            new = [go(c) for c in x]
+            return x if all(n is o for n, o in zip(new, x)) else typ(new)
+        if typ is dict:
+            new = {k: go(v) for k, v in x.items()}
+            return x if all(new[k] is v for k, v in x.items()) else new
         # One level of pytree: x's own children (x itself where pytree takes it for a leaf).
         children, spec = pytree.tree_flatten(x, is_leaf=lambda y: y is not x)
         if len(children) == 1 and children[0] is x:

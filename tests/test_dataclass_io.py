@@ -230,3 +230,33 @@ def _grid():
 
 def test_dataclass_inputs_and_outputs_match_torch():
     run_distributed(_grid, 2, timeout=300)
+
+
+def test_map_tensors_keeps_unchanged_containers():
+    """fsdp_native._tree.map_tensors: a container none of whose tensors changed is the same object
+    (plain and pytree-registered ones, dataclasses, dict subclasses); one with a changed tensor is
+    rebuilt, of its own type; tensors are visited in tensors()' order."""
+    import collections
+
+    from fsdp_native import _tree
+
+    Pair = collections.namedtuple("Pair", "a b")
+    g, c = torch.ones(2, requires_grad=True), torch.zeros(2)
+    stats, od, attr = {"n": 1}, collections.OrderedDict(x=c), AttrDict(h=c)
+    tree = ([g, c], {"stats": stats, "od": od, "attr": attr, "pair": Pair(c, None), "dc": State(h=g, aux=c)}, (None, 3, "s"))
+    seen = []
+
+    def fn(t):
+        seen.append(t)
+        return t * 2 if t.requires_grad else t
+
+    out = _tree.map_tensors(fn, tree)
+    assert [id(t) for t in seen] == [id(t) for t in _tree.tensors(tree)]
+    assert out is not tree and type(out) is tuple and type(out[0]) is list and out[0] is not tree[0]
+    assert out[0][1] is c and torch.equal(out[0][0], g * 2)
+    d = out[1]
+    assert d is not tree[1] and d["stats"] is stats and d["od"] is od and d["attr"] is attr and d["pair"] is tree[1]["pair"]
+    assert type(d["dc"]) is State and d["dc"] is not tree[1]["dc"] and d["dc"].aux is c and torch.equal(d["dc"].h, g * 2)
+    assert out[2] is tree[2]
+    nothing = ([c], {"stats": stats}, Pair(c, 1))
+    assert _tree.map_tensors(lambda t: t, nothing) is nothing
