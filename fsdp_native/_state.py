@@ -410,6 +410,14 @@ def _complete_forward(unit: Unit, output):
     if rec is not None and unit._t_compute is not None:
         rec.span("forward", "compute", unit.fqn, unit._t_compute, _trace.now_us())
         unit._t_compute = None
+    freed = {}
+    for u in unit.group:
+        if u.reshard_after_forward:
+            ptr = u.freed_storage_ptr()
+            if ptr:
+                freed[ptr] = u
+    if freed:
+        _check_output_storage(unit, freed, output)
     for u in unit.group:
         if u.reshard_after_forward:
             # Also the forward's last unit, which the backward gathers again at once: keeping
@@ -420,6 +428,28 @@ def _complete_forward(unit: Unit, output):
     if torch.is_grad_enabled():
         _hook_outputs(unit, output)
     return output
+
+
+def _check_output_storage(unit: Unit, freed: dict, output) -> None:
+    """No output may be a view of the unsharded parameters the reshard after forward is about
+    to free (a unit returning its parameter, a slice of it or an ``expand``): read after the
+    reshard it points at freed memory; torch FSDP2 then fails at the next op reading it, or
+    crashes (a segfault, with ``expand``). `freed`: the storages' data pointers, by unit."""
+    for t in (output,) if type(output) is torch.Tensor else _tree.tensors(output):
+        if type(t) not in _PLAIN or not t.numel():
+            continue
+        u = freed.get(t.untyped_storage().data_ptr())
+        if u is not None:
+            raise ValueError(
+                f"fully_shard: the forward of unit '{unit.fqn or 'root'}' returned a tensor (shape {tuple(t.shape)}) "
+                f"that shares memory with the unsharded parameter {u.aliased_param_name(t)} in unit "
+                f"'{u.fqn or 'root'}': resharding after forward frees that memory, so the output would point at "
+                "freed memory. Return a copy (`.clone()`), or pass reshard_after_forward=False to that unit's "
+                "fully_shard."
+            )
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _hook_outputs(unit: Unit, output) -> None:

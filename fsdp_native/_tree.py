@@ -56,13 +56,30 @@ def _rebuild(x: Any, old: list, new: list) -> Any:
 def tensors(tree: Any) -> list[torch.Tensor]:
     """Every tensor of `tree`, in the order :func:`map_tensors` visits them."""
     out = []
-    for x in pytree.tree_flatten(tree)[0]:
+
+    def go(x: Any) -> None:
         if isinstance(x, torch.Tensor):
             out.append(x)
-        else:
-            children = _children(x)
-            if children:
-                out.extend(tensors(children))
+            return
+        typ = type(x)
+        if typ in _ATOMS:
+            return
+        if typ is tuple or typ is list:  # the common containers without a pytree call
+            for c in x:
+                go(c)
+            return
+        if typ is dict:
+            for c in x.values():
+                go(c)
+            return
+        # One level of pytree, as map_tensors walks it.
+        children = pytree.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
+        if len(children) == 1 and children[0] is x:
+            children = _children(x) or ()
+        for c in children:
+            go(c)
+
+    go(tree)
     return out
 
 

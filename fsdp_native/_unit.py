@@ -520,6 +520,29 @@ class Unit:
         self._unsharded_typed = typed  # the same, typed and shaped (a strided parameter's copy-out target)
         flat.untyped_storage().resize_(0)  # views made; memory comes with the first unshard
 
+    def freed_storage_ptr(self) -> int:
+        """The data pointer of the unsharded storage a reshard after forward will free, else 0
+        (not allocated, or kept by set_keep_unsharded_storage)."""
+        flat = self.unsharded_flat
+        if flat is None or self.keep_unsharded:
+            return 0
+        storage = flat.untyped_storage()
+        return storage.data_ptr() if storage.nbytes() else 0
+
+    def aliased_param_name(self, t: torch.Tensor) -> str:
+        """The name of the unsharded parameter whose memory `t` (a view of the unsharded
+        storage) starts in."""
+        start = t.storage_offset() * t.element_size()
+        for i, p in enumerate(self.unsharded_params):
+            if p is None or not p.numel():
+                continue
+            local = p.to_local() if isinstance(p, DTensor) else p
+            lo = local.storage_offset() * local.element_size()
+            if lo <= start < lo + local.numel() * local.element_size():
+                mod, name = self.owners[i][0]
+                return f"'{name}' of {type(mod).__name__}"
+        return "?"
+
     def new_unsharded_param(self, i: int, t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """Parameter `i`'s unsharded parameter over `t`: a DTensor over the TP mesh for a
         tensor-parallel parameter (`t` its TP-local tensor), else `t` itself."""
