@@ -53,6 +53,14 @@ def _eager_backward_hooks():
     return _eager(pre_backward), _eager(_run_post_backward)
 
 
+ABORTED_BACKWARD_WARNING = (
+    "fsdp_native: a forward began while the last backward had not completed (it raised?). Its "
+    "iteration state is reset as reset_iter_state() resets it: its gradients, reduced or not, "
+    "and those accumulated without sync are discarded. Call reset_iter_state() on the root module "
+    "after catching the error to do this explicitly."
+)
+
+
 class RootContext:
     """Shared by every unit under one root module for the duration of training."""
 
@@ -198,6 +206,17 @@ class RootContext:
         elif u.reshard_after_backward:
             u.reshard()
 
+    def recover_aborted_backward(self) -> None:
+        """A forward outside autograd's engine while a backward is still under way: that
+        backward raised, and the caller went on without reset_iter_state(). Its hooks left
+        the units mid-backward (unsharded, gradients partly accumulated or reduced), and as
+        its end-of-backward callback never ran, none would be queued again: every later
+        forward would run as a recompute, and later gradients be wrong (torch FSDP2 2.13
+        trains on from such a state, its losses drifting from those of a run that skipped the
+        step). The state is reset as reset_iter_state() resets it."""
+        warnings.warn(ABORTED_BACKWARD_WARNING, UserWarning, stacklevel=4)
+        self.reset_iter_state()
+
     def reset_iter_state(self) -> None:
         """FSDPModule.reset_iter_state: after a forward or backward raised, the in-flight
         collectives complete with their results dropped, every unit reshards and loses the
@@ -339,6 +358,8 @@ def pre_forward(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
         ctx = lazy_init(module)
     mp = unit.mp
     cast = mp.cast_forward_inputs and mp.param_dtype is not None
+    if ctx.in_backward and torch._C._current_graph_task_id() < 0:
+        ctx.recover_aborted_backward()
     if ctx.in_backward:
         # An activation-checkpoint recompute. Where the unit's pre-backward already ran
         # (checkpointing by saved-tensor hooks: use_reentrant=False), the parameters only need

@@ -11,8 +11,16 @@ gradients of the failed step (the sharded ones already reduced, and the no-sync
 accumulations, added to the next step's), contrary to their own docstring; fsdp_native
 discards them on every torch, as 2.15 does. Also: an asynchronous finalization's handle is
 invalidated, and a non-root module refuses, with torch's messages.
+
+Without the reset (the caller catches a failed backward and only zeroes the gradients, as
+out-of-memory handlers do): the units stay mid-backward. Torch FSDP2 2.13 trains on from there,
+and its losses drift from those of the run that skipped the step (seen 2026-12-02: 0.104
+against 0.078 the step after). fsdp_native resets at the next forward, with a warning (checked
+exactly, at that forward only), and the run is again the one that skipped the step, bit for bit.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.torch_version import TorchVersion
 
 from dist_utils import assert_same_run, full_params, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from fsdp_native._state import ABORTED_BACKWARD_WARNING
 from models import BlockStack, shard_stack
 
 STEPS, FAIL_STEP, FAIL_BLOCK = 4, 1, 1
@@ -77,16 +86,20 @@ def _assert_clean(impl, model) -> None:
         assert current == 0, f"{impl.name}: {current} unsharded bytes after reset_iter_state"
 
 
-def _train(impl, cfg: dict, fail: str | None) -> dict:
+def _train(impl, cfg: dict, fail: str | None, reset: bool = True) -> dict:
     """AdamW steps of `cfg["accum"]` micro-batches (sync on the last; HSDP `partial`: sync on
     every one, the all-reduce on the last). At step FAIL_STEP the last micro-batch fails in `fail` ("forward" or
     "backward") and the root's reset_iter_state recovers; `fail=None`: that step's
-    micro-batches are skipped (their inputs drawn all the same), the expected outcome."""
+    micro-batches are skipped (their inputs drawn all the same), the expected outcome.
+    `reset=False` (a failed backward): the caller only zeroes the gradients, as an
+    out-of-memory handler does (fairseq's), and fsdp_native resets at the next forward, with
+    a warning."""
     model = _model(impl, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     accum = cfg.get("accum", 1)
     losses = []
+    warn_next = False
     for step in range(STEPS):
         for micro in range(accum):
             last = micro == accum - 1
@@ -96,7 +109,13 @@ def _train(impl, cfg: dict, fail: str | None) -> dict:
                 model.set_requires_gradient_sync(last)
             x = torch.randn(5, 4, generator=gen)
             if step != FAIL_STEP:
-                loss = model(x).pow(2).mean()
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    loss = model(x).pow(2).mean()
+                got = [str(w.message) for w in seen]
+                want = [ABORTED_BACKWARD_WARNING] if warn_next else []
+                assert got == want, f"{impl.name}: warnings at the forward after the failed step: {got}, expected {want}"
+                warn_next = False
                 loss.backward()
                 losses.append(loss.item())
             elif fail is not None and last:
@@ -110,8 +129,12 @@ def _train(impl, cfg: dict, fail: str | None) -> dict:
                 model.blocks[FAIL_BLOCK].fail = None
                 if fail == "forward":  # the failing block was left unsharded
                     assert not isinstance(model.blocks[FAIL_BLOCK].fc1.weight, DTensor)
-                model.reset_iter_state()
-                _assert_clean(impl, model)
+                if reset:
+                    model.reset_iter_state()
+                    _assert_clean(impl, model)
+                else:
+                    opt.zero_grad()
+                    warn_next = True
             elif fail is not None:
                 model(x).pow(2).mean().backward()  # accumulated, then discarded by the reset
         opt.step()
@@ -129,6 +152,9 @@ def check(**cfg) -> None:
         assert_same_run(f"[{impl.name}] {cfg} fails in {fail}, reset vs the step skipped", got, skipped)
         if TORCH_RESET_DISCARDS:
             assert_same_run(f"[{impl.name}] {cfg} fails in {fail}, reset vs torch", got, _train(ref_impl(), cfg, fail))
+    if impl.name == "fsdp_native":  # torch FSDP2 trains on without the reset (the module docstring)
+        got = _train(impl, cfg, "backward", reset=False)
+        assert_same_run(f"[{impl.name}] {cfg} fails in backward, no reset vs the step skipped", got, skipped)
 
 
 def check_handle_and_errors() -> None:
