@@ -2,7 +2,8 @@
 fsdp_native vs on torch FSDP2: a tiny Llama from a LlamaConfig (no Hub) on 2 CPU ranks, both
 libraries in the same spawn, bitwise equal losses and parameters; generate() after training
 (the Trainer registers it with register_fsdp_forward_method); torch_compile=True; checkpoints
-written during training and resume_from_checkpoint, across the two libraries; cpu_offload."""
+written during training and resume_from_checkpoint, across the two libraries; cpu_offload;
+load_best_model_at_end (an earlier checkpoint loaded after training)."""
 from __future__ import annotations
 
 import os
@@ -86,6 +87,7 @@ def trainer_run(
     resume=None,
     eval_steps=None,
     model_fn=None,
+    args_overrides=None,
     **cfg_overrides,
 ):
     """Trainer.train for ``max_steps`` optimizer steps; returns (per-micro-batch losses, full params,
@@ -94,7 +96,8 @@ def trainer_run(
     training; ``on_trained(trainer)`` runs last. ``save_steps``: a checkpoint every that many
     steps under ``output_dir``; ``resume``: the checkpoint to resume from; ``eval_steps``: the
     Trainer evaluates on a held-out set every that many steps (``trainer.state.log_history``);
-    ``model_fn()``: builds the model instead (after the TrainingArguments, as a script does)."""
+    ``model_fn()``: builds the model instead (after the TrainingArguments, as a script does);
+    ``args_overrides``: more TrainingArguments."""
     import torch
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
@@ -140,6 +143,7 @@ def trainer_run(
             seed=0,
             gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
+            **(args_overrides or {}),
         )
         if model_fn is not None:
             model = model_fn()
@@ -259,10 +263,43 @@ def _offload_matches_torch_without(**cfg):
     assert_same("parameters", got[1], ref[1])
 
 
+def _best_model(**cfg):
+    """load_best_model_at_end: checkpoints and evaluations every 2 of 6 steps, the best being
+    the highest evaluation loss (greater_is_better), so checkpoint-2: after training the
+    Trainer loads it through Accelerate's load_fsdp_model. Bit for bit torch FSDP2's losses,
+    evaluations, choice and loaded parameters, which differ from those of the end of training."""
+    base = ctx().tmpdir
+    best = dict(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True, save_total_limit=2)
+    run = dict(cfg, max_steps=6, save_steps=2, eval_steps=2)
+    got = {}
+    import torch
+
+    for impl, extra in (("torch", best), ("native", best), ("native-last", {})):
+        evals = []
+
+        def record(trainer, evals=evals):
+            _eval_losses(evals)(trainer)
+            evals.append(os.path.basename(trainer.state.best_model_checkpoint or "none"))
+
+        out = trainer_run(impl.split("-")[0], output_dir=os.path.join(base, f"best-{impl}"), on_trained=record,
+                          args_overrides=extra, **run)
+        got[impl] = out, evals
+    evals = got["torch"][1]
+    assert len(evals) == 4 and max(evals[:3]) == evals[0] and evals[3] == "checkpoint-2", (
+        f"torch FSDP2's evaluation losses and best checkpoint: {evals} (expected the first, checkpoint-2)"
+    )
+    assert got["native"][1] == evals, f"evaluation losses and best checkpoint: {got['native'][1]} vs {evals}"
+    assert_same("losses", got["native"][0][0], got["torch"][0][0])
+    assert_same("loaded parameters", got["native"][0][1], got["torch"][0][1])
+    last = got["native-last"][0][1]
+    assert any(not torch.equal(last[k], v) for k, v in got["native"][0][1].items()), "the best model was not loaded"
+
+
 def _checkpoint_grid():
     set_launcher_env()
     run_grid([dict(bf16=True, ga=2), dict(state_dict_type="FULL_STATE_DICT")], _resume, name="resume")
     run_grid([dict(bf16=True)], _offload_matches_torch_without, name="cpu_offload")
+    run_grid([dict()], _best_model, name="load_best_model_at_end")
 
 
 def test_trainer_checkpoints_resume_and_cpu_offload_ws2():
