@@ -30,6 +30,11 @@ What it patches, and why that is all it needs (Accelerate 1.15, Transformers 5.1
   as ``accelerate launch --cpu`` does) and wraps ``AcceleratorState.__init__`` so that a
   ``MULTI_CPU`` state asked for FSDP (an ``fsdp_plugin``, or ``ACCELERATE_USE_FSDP=true``)
   becomes ``DistributedType.FSDP``, as a multi-GPU one does.
+* ``accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy`` (where it exists), in both
+  functions: its policy no longer chooses ``nn.ModuleList`` / ``nn.ModuleDict``, which
+  ``fully_shard`` refuses, nor a module holding the embeddings or the final norm that
+  Accelerate carves into units of their own, so ``auto_wrap_policy: SIZE_BASED_WRAP`` works
+  (:func:`_without_containers`).
 
 The hook points are checked before anything is patched (feature detection, not version
 strings); an Accelerate or Transformers whose hook points are not found raises
@@ -289,6 +294,10 @@ class AccelerateIntegration:
             native = _transformers_fsdp()
             if native is not None:  # Transformers' own FSDP: from_pretrained(distributed_config=...)
                 self._set_attr(native, "fully_shard", fn)
+        fsdp_utils = importlib.import_module("accelerate.utils.fsdp_utils")
+        prepare_policy = getattr(fsdp_utils, "fsdp2_prepare_auto_wrap_policy", None)
+        if prepare_policy is not None:
+            self._set_attr(fsdp_utils, "fsdp2_prepare_auto_wrap_policy", _without_containers(prepare_policy))
         if self.cpu:
             self._set_env("ACCELERATE_USE_CPU", "true")
             from accelerate.state import AcceleratorState
@@ -339,6 +348,73 @@ def _with_all_gather(fully_shard, policy):
         return fully_shard(module, **kwargs)
 
     return wrapped
+
+
+def _without_containers(prepare):
+    """Accelerate's ``fsdp2_prepare_auto_wrap_policy``, its policy choosing neither a container
+    without a forward (``nn.ModuleList``, ``nn.ModuleDict``) nor a module holding one of the
+    modules Accelerate carves into units of its own after the policy's (the input embedding,
+    the output embedding and the final norm).
+
+    Its SIZE_BASED_WRAP policy chooses every module of more than ``min_num_params``
+    parameters (Accelerate 1.15, 1.16), and with torch FSDP2 that documented config fails on any
+    model keeping its layers in a list:
+
+    * the list of layers is chosen, and ``fully_shard`` refuses a container (torch's as well:
+      "fully_shard does not support containers that do not implement forward"). FSDP1's
+      size-based policy leaves containers out (its ``exclude_wrap_modules``); so does this, and
+      their parameters stay in the parent's unit;
+    * the base model (``model.model``, holding the embedding and the final norm) is chosen, and
+      Accelerate's carving then shards the final norm, whose parameters that unit already
+      holds (torch: "Invariant encountered: value was None when it should not be"). Left out
+      here, the embedding and the final norm go to the carved units, as with
+      TRANSFORMER_BASED_WRAP.
+
+    The activation-checkpointing pass asks the same policy, and wraps neither."""
+    import torch.nn as nn
+
+    @functools.wraps(prepare)
+    def wrapped(fsdp2_plugin, model, *args, **kwargs):
+        policy = prepare(fsdp2_plugin, model, *args, **kwargs)
+        if policy is None:
+            return None
+        holders = _holders_of_carved(model)
+
+        def choose(module: nn.Module) -> bool:
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+                return False
+            if id(module) in holders:
+                return False
+            return policy(module)
+
+        return choose
+
+    return wrapped
+
+
+def _holders_of_carved(model) -> set:
+    """The ids of the modules below `model` that hold (strictly) a module Accelerate's
+    ``fsdp2_prepare_model`` carves into a unit after the policy's: the input and output
+    embeddings and the final norm (its ``_find_final_norm``)."""
+    import accelerate.utils.fsdp_utils as fu
+
+    carved = []
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            carved.append(getattr(model, get, lambda: None)())
+        except (AttributeError, NotImplementedError):  # a model without that embedding
+            pass
+    find_norm = getattr(fu, "_find_final_norm", None)
+    if find_norm is not None:
+        carved.append(find_norm(model))
+    carved_ids = {id(m) for m in carved if m is not None}
+    holders = set()
+    for name, module in model.named_modules():
+        if id(module) in carved_ids and name:
+            parts = name.split(".")
+            for i in range(1, len(parts)):
+                holders.add(id(model.get_submodule(".".join(parts[:i]))))
+    return holders
 
 
 def _fsdp_on_cpu_init(orig_init):

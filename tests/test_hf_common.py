@@ -252,6 +252,40 @@ def test_patch_and_restore():
     assert tfsdp.fully_shard is torch_fs
 
 
+def test_size_based_policy_leaves_out_containers():
+    """Accelerate's SIZE_BASED_WRAP policy, patched in both integrations: a layer list
+    (nn.ModuleList) is never chosen, a ModuleList subclass with its own forward and every other
+    module as Accelerate chooses them, except (the tiny Llama) the base model, which holds the
+    embedding and final norm Accelerate carves out; restore puts Accelerate's function back."""
+    import accelerate.utils.fsdp_utils as fu
+    import torch.nn as nn
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    import fsdp_native.integrations as fi
+
+    class Stack(nn.ModuleList):
+        def forward(self, x):
+            return x
+
+    model = nn.Sequential(nn.Linear(20, 20), nn.ModuleList([nn.Linear(20, 20), nn.Linear(20, 20)]), Stack([nn.Linear(20, 20)]))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=100)
+    original = fu.fsdp2_prepare_auto_wrap_policy
+    chosen = lambda: [n for n, m in model.named_modules() if fu.fsdp2_prepare_auto_wrap_policy(plugin, model)(m)]  # noqa: E731
+    assert chosen() == ["", "0", "1", "1.0", "1.1", "2", "2.0"], chosen()  # Accelerate's own, the list "1" included
+    llama = tiny_llama()
+    plugin_2k = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=2000)
+    in_llama = lambda: [n for n, m in llama.named_modules() if fu.fsdp2_prepare_auto_wrap_policy(plugin_2k, llama)(m) and "layers.1" not in n]  # noqa: E731
+    everything = ["", "model", "model.embed_tokens", "model.layers", "model.layers.0", "model.layers.0.self_attn",
+                  "model.layers.0.mlp", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj", "lm_head"]
+    assert in_llama() == everything, in_llama()
+    for install in (lambda: fi.use_with_accelerate(cpu=True), fi.enable_accelerate_cpu_fsdp):
+        with install():
+            assert fu.fsdp2_prepare_auto_wrap_policy.__wrapped__ is original
+            assert chosen() == ["", "0", "1.0", "1.1", "2", "2.0"], chosen()
+            assert in_llama() == [n for n in everything if n not in ("model", "model.layers")], in_llama()
+        assert fu.fsdp2_prepare_auto_wrap_policy is original
+
+
 def test_unknown_hook_points_fail_clearly(monkeypatch):
     """An Accelerate whose fsdp2_prepare_model binds fully_shard at import (so a patch of
     torch.distributed.fsdp would not reach it) is refused, naming the versions."""

@@ -189,6 +189,36 @@ def _parity(**cfg):
         assert_same("generated tokens", got[2], ref[2])
 
 
+def _size_based(**cfg):
+    """auto_wrap_policy SIZE_BASED_WRAP (the Hugging Face docs' other policy): Accelerate's
+    FSDP2 policy chooses every module of more than min_num_params parameters, the decoder's
+    layer list too, which torch FSDP2 refuses ("fully_shard does not support containers that do
+    not implement forward"); the integrations leave the list out.
+    Accelerate's carving of the final norm and output layer into a unit then failed too, as the
+    policy had chosen the base model holding them; the integrations leave both out
+    (fsdp_native.integrations._without_containers). Units: every decoder layer and the modules in
+    it over the threshold, the embedding, the carved tail; not the list nor the base model. The
+    same in both libraries, and bit for bit torch FSDP2's losses and parameters; with
+    activation checkpointing too (Accelerate checkpoints every module the policy chooses)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = {}
+    for impl in ("torch", "native"):
+        units[impl] = []
+        record = lambda t, into=units[impl]: into.extend(  # noqa: E731
+            n.replace("._checkpoint_wrapped_module", "") for n, m in t.model.named_modules() if isinstance(m, FSDPModule)
+        )
+        units[impl + "-run"] = trainer_run(impl, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=2000,
+                                           transformer_layer_cls_to_wrap=None, on_trained=record, **cfg)
+    got = units["native"]
+    assert got == units["torch"], f"units: {got} vs torch FSDP2's {units['torch']}"
+    assert "model.layers" not in got and "model" not in got, got  # the list, and the base model holding the carved modules
+    for unit in ("model.layers.0", "model.layers.1.mlp.down_proj", "model.embed_tokens", "model.norm", "lm_head"):
+        assert unit in got, f"no unit {unit!r}: {got}"
+    assert_same("losses", units["native-run"][0], units["torch-run"][0])
+    assert_same("parameters", units["native-run"][1], units["torch-run"][1])
+
+
 def _trainer_grid():
     set_launcher_env()
     configs = [
@@ -207,6 +237,7 @@ def _trainer_grid():
         dict(torch_compile=True, bf16=True),  # Accelerate compiles the sharded model (inductor on CPU)
     ]
     run_grid(configs, _parity, name="trainer")
+    run_grid([dict(), dict(bf16=True, activation_checkpointing=True)], _size_based, name="SIZE_BASED_WRAP")
 
 
 def test_trainer_parity_ws2():
