@@ -431,19 +431,14 @@ def _complete_forward(unit: Unit, output):
     if rec is not None and unit._t_compute is not None:
         rec.span("forward", "compute", unit.fqn, unit._t_compute, _trace.now_us())
         unit._t_compute = None
-    freed = {}
-    for u in unit.group:
-        if u.reshard_after_forward:
-            ptr = u.freed_storage_ptr()
-            if ptr:
-                freed[ptr] = u
+    # Also the forward's last unit, which the backward gathers again at once: keeping its
+    # data would hold it through the loss, often the step's peak (tests/test_memory.py).
+    resharding = [u for u in unit.group if u.reshard_after_forward]
+    freed = {ptr: u for u in resharding if (ptr := u.freed_storage_ptr())}
     if freed:
         _check_output_storage(unit, freed, output)
-    for u in unit.group:
-        if u.reshard_after_forward:
-            # Also the forward's last unit, which the backward gathers again at once: keeping
-            # its data would hold it through the loss, often the step's peak (tests/test_memory.py).
-            u.reshard(after_forward=True)
+    for u in resharding:
+        u.reshard(after_forward=True)
     if unit.mp.output_dtype is not None:
         output = _cast_floats(output, unit.mp.output_dtype)
     if torch.is_grad_enabled():
