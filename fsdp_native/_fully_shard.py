@@ -499,6 +499,7 @@ class FSDPModule(_TorchFSDPModule):
     def reshard(self) -> None:
         """Frees this unit's unsharded parameters and registers the sharded ones."""
         for u in self._unit.group:
+            u.release()
             u.reshard()
 
     def _targets(self, recurse: bool) -> list[Unit]:
@@ -581,6 +582,7 @@ class FSDPModule(_TorchFSDPModule):
         fn = args[0] if args else kwargs["fn"]
         hidden = []
         for u in group:
+            u.release()
             u.reshard()
             if u.apply_to_flat(fn):  # the unit's plain shards at once, in their flat buffer
                 u.hide(True)

@@ -31,6 +31,8 @@ def _run_post_backward(unit: Unit) -> None:
             # torch FSDP2, the backward reaching the forward's inputs still runs the unit's
             # post-backward: its gradients are accumulated in the reduce dtype or reduced.
             u.needs_post_backward = u.backward_reached = True
+        if u.held and not u.accumulated_since_hold():
+            continue  # torch.autograd.grad(..., create_graph=True): nothing to reduce (Unit.hold)
         u.post_backward()
 
 
@@ -115,6 +117,8 @@ class RootContext:
         for u in self.units:
             if u is not root_unit and u.in_forward:  # a pass some module of it never completed
                 u.end_pass()  # (a no-grad chunked loss, torchtitan's validation): a new one begins
+            if u.held and u.hold_unused():  # the graph of a create_graph=True backward was freed
+                u.release()
         if _trace.active is not None:
             _trace.active.begin_step()
         for u in self.units:
@@ -139,6 +143,26 @@ class RootContext:
     def end_backward(self) -> None:
         """Runs once autograd finished: post-backward for units autograd did not reach through
         their inputs (the root, most often), then every pending reduction completes."""
+        if torch.is_grad_enabled():
+            # A backward with create_graph=True. Where it accumulated parameter gradients
+            # (loss.backward(create_graph=True)), it ends as an ordinary backward, as in torch
+            # FSDP2: the gradients are reduced as plain values (their graph ends there), and
+            # nothing is kept for a further backward through it, which is not supported.
+            if any(u.held and u.accumulated_since_hold() for u in self.units):
+                for u in self.units:
+                    u.release()
+                with torch.no_grad():
+                    self._end_backward()
+            else:  # torch.autograd.grad(..., create_graph=True)
+                self._end_higher_order()
+            return
+        # An ordinary backward has now run through (and freed) every graph a backward with
+        # create_graph=True built: the units it held free their storage at their reshard.
+        for u in self.units:
+            u.release()
+        self._end_backward()
+
+    def _end_backward(self) -> None:
         self.callback_queued = False
         for u in self.units:  # as torch FSDP2's final callback: the next forward starts a new pass
             u.end_pass()
@@ -167,6 +191,23 @@ class RootContext:
             else:
                 u.post_backward()
         self._complete()
+        self.in_backward = False
+
+    def _end_higher_order(self) -> None:
+        """The end of ``torch.autograd.grad(..., create_graph=True)``: no parameter gradient
+        came, so nothing is reduced (the gradients that backwards without sync accumulated wait
+        for the next backward). The units it reached reshard, keeping their storage for the
+        graph it built (Unit.hold), and the next backward starts as after a forward."""
+        self.callback_queued = False
+        for u in self.units:
+            u.end_pass()
+            if u.held:
+                u.needs_post_backward = u.backward_reached = u.recompute_hooked = False
+                u.release_pending()
+                if u.reshard_after_backward:
+                    u.reshard()
+        if not self.manual_active:
+            self.manual_active = None
         self.in_backward = False
 
     def _order(self) -> list[Unit]:
@@ -497,10 +538,13 @@ def _warn_view_output(unit: Unit, t: torch.Tensor) -> None:
 def pre_backward(unit: Unit) -> None:
     ctx: RootContext = unit.ctx
     ctx.begin_backward()
+    higher_order = torch.is_grad_enabled()  # create_graph=True: grad mode is on in the backward
     for u in unit.group:
         u.needs_post_backward = True
         u.backward_reached = True
         u.inputs_marked = False
+        if higher_order:
+            u.hold()
     _unshard(unit, backward=True)
     for u in unit.group:
         u.defer_grad_upcast()

@@ -178,6 +178,10 @@ class Unit:
         self.rs_max_inputs = 1  # set_reduce_scatter_max_input_buffers: reductions kept in flight
         self.pg_alloc = False  # set_allocate_memory_from_process_group_for_comm
         self.backward_reached = False  # pre-backward ran in this backward
+        # A backward with create_graph=True reached this unit: the graph it built (a gradient
+        # penalty's) holds the unsharded parameters, so they stay unsharded (:meth:`hold`).
+        self.held = False
+        self._grads_at_hold: list = []
         # A recompute in backward (reentrant activation checkpointing) registered this unit's
         # backward hooks, which its forward without grad did not; cleared by its post-backward.
         self.recompute_hooked = False
@@ -524,7 +528,7 @@ class Unit:
         """The data pointer of the unsharded storage a reshard after forward will free, else 0
         (not allocated, or kept by set_keep_unsharded_storage)."""
         flat = self.unsharded_flat
-        if flat is None or self.keep_unsharded:
+        if flat is None or self.keep_unsharded or self.held:
             return 0
         storage = flat.untyped_storage()
         return storage.data_ptr() if storage.nbytes() else 0
@@ -789,6 +793,41 @@ class Unit:
             params[name] = sps[i]
         self.is_unsharded = False
 
+    def hold(self) -> None:
+        """A backward with ``create_graph=True`` reached this unit. The graph it builds (the
+        double backward of a gradient penalty: ``torch.autograd.grad(out, x, create_graph=True)``)
+        saves the unsharded parameters, and a later backward reads them: until :meth:`release`,
+        a reshard keeps their storage (as ``set_keep_unsharded_storage`` does). Torch FSDP2
+        frees it, and the later backward fails ("setStorage: ... out of bounds").
+
+        The later backward reduces as any does, at the unit's post-backward: autograd runs the
+        double backward's nodes, made after the forward, before the forward's nodes that reach
+        the unit's inputs (it runs the ready node made last first), so every gradient of the
+        unit has arrived by then (``tests/test_higher_order.py`` checks the sums)."""
+        if not self.held:
+            self.held = True
+            self._grads_at_hold = [p.grad for p in self.unsharded_params]
+
+    def accumulated_since_hold(self) -> bool:
+        """Whether a backward accumulated parameter gradients since :meth:`hold`: that was
+        ``loss.backward(create_graph=True)``, not ``torch.autograd.grad``. (With create_graph,
+        autograd accumulates out of place: a new gradient object.)"""
+        return any(p.grad is not g for p, g in zip(self.unsharded_params, self._grads_at_hold))
+
+    def release(self) -> None:
+        """The end of a :meth:`hold`: the storage is freed now if the unit is resharded, else at
+        its next reshard."""
+        if self.held:
+            self.held = False
+            self._grads_at_hold = []
+            if not self.is_unsharded:
+                self._free_unsharded()
+
+    def hold_unused(self) -> bool:
+        """Whether no autograd graph references the held unsharded parameters any more (only
+        this unit does): the higher-order graph was freed without a backward through it."""
+        return all(p is None or p._use_count() <= 1 for p in self.unsharded_params)
+
     def reshard(self, after_forward: bool = False) -> None:
         if self.pending_ag is not None:
             self.wait_all_gather()
@@ -804,7 +843,8 @@ class Unit:
             elif keep is not None:
                 self._pf_shard = keep.clone()
         self._pf_keep = None
-        self._free_unsharded()
+        if not self.held:
+            self._free_unsharded()
 
     def release_pending(self) -> None:
         """Completes a prefetched all-gather nobody used, keeping collectives matched."""
@@ -829,6 +869,7 @@ class Unit:
         self.partial_reduce = None
         self._accumulated = None
         self.needs_post_backward = self.recompute_hooked = self.backward_reached = False
+        self.release()
         self.end_pass()
         self._t_compute = None
         for p in (*self.unsharded_params, *self.sharded_params):
