@@ -62,6 +62,29 @@ class Bucket:
         self.rs_in: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
 
+    def _copy_in(self, grads: list, padded: list, ws: int, out: torch.Tensor) -> None:
+        try:
+            ops.reduce_scatter_copy_in(grads, padded, ws, out)
+        except (NotImplementedError, RuntimeError):
+            self._check_sparse(grads)
+            raise
+
+    def _check_sparse(self, grads: list) -> None:
+        """A sparse gradient (``nn.Embedding(sparse=True)``) cannot be reduce-scattered: the
+        error names its parameter (torch FSDP2 fails with ``Could not run 'fsdp::chunk_cat' with
+        arguments from the 'SparseCPU' backend``). Every rank raises it: each has one."""
+        found = iter(grads)
+        for e in self.entries:
+            for i, h in enumerate(e.has_grad):
+                g = next(found) if h else None
+                if g is not None and g.layout is not torch.strided:
+                    mod, name = e.unit.owners[i][0]
+                    raise ValueError(
+                        f"fully_shard: parameter '{name}' of {type(mod).__name__} in unit '{e.unit.fqn or 'root'}' got "
+                        f"a gradient of layout {g.layout}, expected torch.strided: gradients are reduce-scattered "
+                        "dense. Build the module with sparse=False (nn.Embedding, nn.EmbeddingBag)."
+                    )
+
     def issue(self) -> None:
         self.issued = True
         rec = _trace.active
@@ -97,7 +120,7 @@ class Bucket:
 
         if ws == 1:
             out = new_out()
-            ops.reduce_scatter_copy_in(grads, padded, 1, out)
+            self._copy_in(grads, padded, 1, out)
             del grads
             if pre is not None:
                 out.div_(pre)
@@ -108,7 +131,7 @@ class Bucket:
         st.wait(anchor, st.reduce_scatter, st.compute)  # gradients were computed on compute
         with st.use(st.reduce_scatter):
             rs_in = alloc((ws * total,), dtype=dtype, device=device)
-            ops.reduce_scatter_copy_in(grads, padded, ws, rs_in)
+            self._copy_in(grads, padded, ws, rs_in)
             if strided:
                 _strided_copy_in(rs_in.view(ws, total), strided)
             if pre is not None:

@@ -36,6 +36,23 @@ def _run_post_backward(unit: Unit) -> None:
         u.post_backward()
 
 
+def _functorch_off(fn):
+    """`fn` run outside torch.func's transforms when one is active (``torch.func.jvp``, where
+    every tensor a factory makes is a wrapper without storage): the all-gathers and the
+    unsharded parameters are the unit's own plain tensors, constants to the transform (as
+    torch FSDP2's are)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch._C._functorch.peek_interpreter_stack() is None:
+            return fn(*args, **kwargs)
+        with torch._C._DisableFuncTorch():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+@_functorch_off
 def _unshard(unit: Unit, backward: bool = False) -> None:
     """Unshards `unit` and the units of its call on other meshes (:attr:`Unit.group`; in
     `backward`, those that unshard in backward): every all-gather is issued before the first
@@ -333,15 +350,28 @@ class GradientReductionHandle:
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs whose backward marks the unit's gradients done."""
 
+    # torch.func's transforms (grad, jacrev, hessian, vmap) take only Functions whose forward
+    # has no ctx; the identity's batching rule is generated.
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, unit: Unit, *inputs: torch.Tensor):
-        ctx.unit = unit
+    def forward(unit: Unit, *inputs: torch.Tensor):
         return inputs
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.unit = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         _eager_backward_hooks()[1](ctx.unit)
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx, _unit, *tangents: torch.Tensor):
+        """Forward-mode AD (dual tensors through a training forward): the identity's tangents,
+        as views, since the forward returns its inputs as they are."""
+        return tuple(t if t is None else t.view_as(t) for t in tangents)
 
 
 # As torch FSDP2 (and DDP), the root moves its forward inputs to its accelerator: a batch left
@@ -360,6 +390,7 @@ def _cast_floats(tree, dtype: torch.dtype):
     return _tree.map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
+@_functorch_off
 def _prefetch(explicit: list[Unit] | None, neighbour: Unit | None, backward: bool = False) -> None:
     """Issues the all-gathers of the units to prefetch: the explicit list if one was set, else
     the neighbour in the recorded forward order (implicit prefetch, depth 1)."""
@@ -492,7 +523,11 @@ def _check_output_storage(unit: Unit, freed: dict, output) -> None:
     to free (a unit returning its parameter, a slice of it or an ``expand``): read after the
     reshard it points at freed memory; torch FSDP2 then fails at the next op reading it, or
     crashes (a segfault, with ``expand``). `freed`: the storages' data pointers, by unit."""
+    functorch = torch._C._functorch.peek_interpreter_stack() is not None
     for t in (output,) if type(output) is torch.Tensor else _tree.tensors(output):
+        if functorch:  # under torch.func's transforms: the plain tensor inside the wrappers
+            while torch._C._functorch.is_functorch_wrapped_tensor(t):
+                t = torch._C._functorch.get_unwrapped(t)
         if type(t) not in _PLAIN or not t.numel():
             continue
         u = freed.get(t.untyped_storage().data_ptr())

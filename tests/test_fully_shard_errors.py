@@ -95,6 +95,17 @@ class _ScalarParam(nn.Module):
         return self.lin(x) * self.scale
 
 
+class _SparseEmbedding(nn.Module):
+    def __init__(self, bag: bool):
+        super().__init__()
+        self.bag = bag
+        self.emb = nn.EmbeddingBag(20, 8, sparse=True) if bag else nn.Embedding(20, 8, sparse=True)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, idx):
+        return self.out(self.emb(idx) if self.bag else self.emb(idx).mean(1))
+
+
 def case(name):
     impl = load_impl()
     fs = impl.fully_shard
@@ -221,6 +232,26 @@ def case(name):
             fs(m, mesh=mesh)
             m(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
             assert m.layers[0].weight.grad.dtype == torch.bfloat16, m.layers[0].weight.grad.dtype
+    elif name == "sparse_gradient":
+        # nn.Embedding(sparse=True): torch FSDP2 fails in its copy-in ("Could not run
+        # 'fsdp::chunk_cat' with arguments from the 'SparseCPU' backend").
+        for bag in (False, True):
+            m = _SparseEmbedding(bag)
+            fs(m.emb, mesh=mesh)
+            fs(m, mesh=mesh)
+            idx = torch.randint(0, 20, (4, 3), generator=torch.Generator().manual_seed(rank))
+            step = lambda: m(idx).sum().backward()  # noqa: E731
+            if impl.name == "fsdp_native":
+                raises_exactly(
+                    ValueError,
+                    f"fully_shard: parameter 'weight' of FSDP{'EmbeddingBag' if bag else 'Embedding'} in unit 'emb' got "
+                    "a gradient of layout torch.sparse_coo, expected torch.strided: gradients are reduce-scattered "
+                    "dense. Build the module with sparse=False (nn.Embedding, nn.EmbeddingBag).",
+                    step,
+                )
+            else:
+                _expect(NotImplementedError, "SparseCPU", step)
+            m.reset_iter_state()
     else:
         raise AssertionError(f"unknown case {name}")
     _check_group_in_step()
@@ -249,6 +280,7 @@ CASES = [
     "shard_placement_uneven_dim",
     "deepcopy",
     "grad_dtype_override",
+    "sparse_gradient",
 ]
 
 
