@@ -769,6 +769,16 @@ def _install_torch_quantized_values() -> None:
     FSDPParamGroup._quantized_values_installed = True
 
 
+def rank_mean(t):
+    """The mean of `t` over the ranks (a sharded run's per-rank losses, to compare with an
+    unsharded run over every rank's batch)."""
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
 def full_params(model) -> dict:
     return {n: full(p).detach().clone() for n, p in model.named_parameters()}
 

@@ -213,6 +213,18 @@ class ResidualMLP(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(x)))
 
 
+class TanhResidual(nn.Module):
+    """``x + tanh(lin(x))``: a smooth block, for higher derivatives (test_higher_order,
+    test_func_transforms)."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) + x
+
+
 class BlockStack(nn.Module):
     """``Linear(4, dim)``, then ``n`` blocks made by ``make_block()``, then ``Linear(dim, 1)``
     (parameter names ``inp.*``, ``blocks.<i>.*``, ``out.*``): the small models of the

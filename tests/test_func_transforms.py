@@ -18,39 +18,16 @@ bit for bit in fp32, and with a bf16 policy those of the unsharded model cast to
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
-import torch.nn as nn
 
 from dist_utils import assert_close, full_params, grid, load_impl, ref_impl, run_distributed, run_grid
+from models import BlockStack, TanhResidual
 
 EXACT = dict(rtol=0, atol=0)
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x)) + x
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        for b in self.blocks:
-            h = b(h)
-        return self.out(h)
-
-
 def _model(impl, mp: bool):
-    m = Net()
+    torch.manual_seed(0)
+    m = BlockStack(lambda: TanhResidual(8), dim=8, n=2)
     if impl is None:  # unsharded: fp32, or the bf16 model a bf16 policy computes with
         return m.to(torch.bfloat16) if mp else m
     kw = dict(mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if mp else {}

@@ -24,20 +24,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_same_run, full_params, grid, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_same_run, full_params, rank_mean, grid, load_impl, ref_impl, run_distributed, run_grid
+from models import TanhResidual
 
 STEPS = 3
 TOL = dict(rtol=1e-6, atol=1e-6)
 TORCH_FAILURE = "setStorage:"
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x)) + x
 
 
 class Net(nn.Module):
@@ -45,7 +37,7 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(TanhResidual(8) for _ in range(2))
         self.head = nn.Linear(8, 8)  # see the module docstring
         self.out = nn.Linear(8, 1)
 
@@ -150,14 +142,8 @@ def _train(m, flow: str, ranks, workaround: bool = False, accum: bool = False, m
         opt.step()
         losses.append(loss)
     if dist.is_initialized() and len(ranks) == 1:
-        losses = [_mean(l) for l in losses]
+        losses = [rank_mean(l) for l in losses]
     return dict(losses=torch.stack(losses), params=full_params(m))
-
-
-def _mean(t):
-    t = t.clone()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
 
 
 def _parity(flow: str, mp: bool, accum: bool = False, hsdp: bool = False) -> None:

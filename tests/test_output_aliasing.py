@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_utils import assert_same_run, full_params, grid, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
+from dist_utils import assert_same_run, full_params, rank_mean, grid, load_impl, raises_exactly, ref_impl, run_distributed, run_grid
 
 STEPS = 3
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -90,14 +90,8 @@ def _train(model, ranks) -> dict:
         opt.step()
         losses.append(loss.detach())
     if dist.is_initialized() and len(ranks) == 1:
-        losses = [dist_mean(l) for l in losses]
+        losses = [rank_mean(l) for l in losses]
     return dict(losses=torch.stack(losses), params=full_params(model))
-
-
-def dist_mean(t):
-    t = t.clone()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
 
 
 MESSAGE = (
