@@ -31,7 +31,7 @@ def _run_post_backward(unit: Unit) -> None:
             # torch FSDP2, the backward reaching the forward's inputs still runs the unit's
             # post-backward: its gradients are accumulated in the reduce dtype or reduced.
             u.needs_post_backward = u.backward_reached = True
-        if u.held and not u.accumulated_since_hold():
+        if u.held and torch.is_grad_enabled() and not u.accumulated_since_hold():
             continue  # torch.autograd.grad(..., create_graph=True): nothing to reduce (Unit.hold)
         u.post_backward()
 
