@@ -4,7 +4,9 @@ graph it built.
 The flows: a gradient penalty (WGAN-GP's ``torch.autograd.grad(out, x, create_graph=True)``
 added to the loss), R1 regularization (the penalty alone), a physics-informed loss (a second
 derivative in x: two such grads), WGAN-GP's order (the penalty first, then more forwards, then
-one backward of the sum), and ``loss.backward(create_graph=True)``.
+one backward of the sum), and ``loss.backward(create_graph=True)``. Also a whole WGAN-GP: a
+generator and a critic, each its own root, the critic's steps with the penalty, the generator's
+backward through the critic.
 
 The double backward reads the unsharded parameters that the first backward used. Torch FSDP2
 (2.13) frees them after that backward, and the second backward fails with ``setStorage: ...
@@ -24,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import assert_same_run, full_params, rank_mean, grid, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, assert_same_run, full_params, rank_mean, grid, load_impl, ref_impl, run_distributed, run_grid
 from models import TanhResidual
 
 STEPS = 3
@@ -210,6 +212,78 @@ def _memory() -> None:
     assert unsharded_stats(m).current_bytes == 0, f"after backward(create_graph=True): {unsharded_stats(m)}"
 
 
+class _Generator(nn.Module):
+    def __init__(self, dims: tuple[int, int]):
+        super().__init__()
+        self.inp = nn.Linear(dims[0], 8)
+        self.blocks = nn.ModuleList(TanhResidual(8) for _ in range(2))
+        self.out = nn.Linear(8, dims[1])
+
+    def forward(self, z):
+        h = self.inp(z)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _gan(impl, mp: bool, ranks, workaround: bool = False) -> dict:
+    """WGAN-GP with a generator and a critic, each its own root: critic steps with the penalty,
+    then generator steps whose backward runs through the critic into the generator."""
+    torch.manual_seed(0)
+    gen, critic = _Generator((3, 4)), _Generator((4, 1))
+    models = (gen, critic)
+    if impl is not None:
+        kw = dict(mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if mp else {}
+        if workaround:
+            kw["reshard_after_forward"] = False
+        for m in models:
+            for mod in (*m.blocks, m):
+                impl.fully_shard(mod, **kw)
+                if workaround:
+                    mod.set_reshard_after_backward(False)
+
+    def reshard():
+        if workaround:
+            for m in models:
+                for mod in m.modules():
+                    if isinstance(mod, impl.FSDPModule):
+                        mod.reshard()
+
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2, betas=(0.5, 0.9))
+    opt_c = torch.optim.Adam(critic.parameters(), lr=1e-2, betas=(0.5, 0.9))
+    for step in range(3):
+        opt_c.zero_grad()
+        for r in ranks:
+            g = torch.Generator().manual_seed(100 * step + r)
+            real, z, eps = torch.randn(4, 4, generator=g) + 1, torch.randn(4, 3, generator=g), torch.rand(4, 1, generator=g)
+            fake = gen(z).detach()
+            interp = (eps * real + (1 - eps) * fake).requires_grad_(True)
+            (grad,) = torch.autograd.grad(critic(interp).sum(), interp, create_graph=True)
+            penalty = (grad.float().norm(dim=1) - 1).pow(2).mean()
+            ((critic(fake).float().mean() - critic(real).float().mean() + 10 * penalty) / len(ranks)).backward()
+        reshard()
+        opt_c.step()
+        opt_g.zero_grad()
+        for r in ranks:
+            z = torch.randn(4, 3, generator=torch.Generator().manual_seed(100 * step + r + 50))
+            (-critic(gen(z)).float().mean() / len(ranks)).backward()
+        reshard()
+        opt_g.step()
+    return {f"{name}.{k}": v for name, m in (("gen", gen), ("critic", critic)) for k, v in full_params(m).items()}
+
+
+def _two_models(mp: bool) -> None:
+    rank = dist.get_rank()
+    got = _gan(load_impl(), mp, [rank])
+    want = _gan(ref_impl(), mp, [rank], workaround=True)
+    for n in want:
+        assert_close(f"WGAN-GP {n} against torch FSDP2", got[n], want[n], dict(rtol=0, atol=0))
+    if not mp:
+        want = _gan(None, mp, list(range(dist.get_world_size())))
+        for n in want:
+            assert_close(f"WGAN-GP {n} against unsharded", got[n], want[n], TOL)
+
+
 def _body() -> None:
     if load_impl().name == "fsdp_native":
         run_grid(grid(flow=["gp", "r1", "pinn", "wgan"]), _torch_fails, name="torch fails")
@@ -217,6 +291,7 @@ def _body() -> None:
     # Micro-batches without sync first: their gradients wait, unreduced, through the
     # create_graph backward of the next micro-batch (it reduces nothing).
     run_grid(grid(flow=list(FLOWS), mp=[False, True], accum=[True]), _parity, name="accumulation")
+    run_grid(grid(mp=[False, True]), _two_models, name="generator and critic")
     _memory()
 
 
