@@ -7,6 +7,7 @@ import warnings
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.autograd import forward_ad as _forward_ad
 
 from fsdp_native import _agreement, _trace, _tree
 from fsdp_native._reduce import Reducer
@@ -545,13 +546,20 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _hook_outputs(unit: Unit, output) -> None:
-    """The unit's pre-backward hook on every output that requires grad."""
+    """The unit's pre-backward hook on every output that requires grad, and under forward-mode
+    AD on their tangents too: a loss of the tangents (``forward_ad.unpack_dual(out).tangent``)
+    reaches the unit's weights through the tangents' own graph."""
     hook = unit.pre_backward_hook
+    dual = _forward_ad._current_level >= 0
     for t in (output,) if type(output) is torch.Tensor else _tree.tensors(output):
         if t.requires_grad:
             if t._base is not None:
                 _warn_view_output(unit, t)
             t.register_hook(hook)
+        if dual:
+            tangent = _forward_ad.unpack_dual(t).tangent
+            if tangent is not None and tangent.requires_grad:
+                tangent.register_hook(hook)
 
 
 def _warn_view_output(unit: Unit, t: torch.Tensor) -> None:
