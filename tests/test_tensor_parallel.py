@@ -16,7 +16,8 @@ blocks and the root on ``mesh["dp"]``. 4 gloo ranks as 2 x 2.
 * **pytorch/examples' ``fsdp_tp_example.py``** (its plan on a small Llama: row-wise
   embeddings, sequence-parallel norms, column/row-wise attention and feed-forward, the whole
   model one unit as there, and also a unit per block): losses and local shards bit for bit
-  torch FSDP2's.
+  torch FSDP2's. Also as torchtitan trains with TP: bf16 compute, the logits left sharded over
+  the vocabulary as the root unit's DTensor output, and the loss under ``loss_parallel()``.
 * **Against the unsharded model** on one rank (both data-parallel batches, averaged; SGD, which
   unlike Adam shows a wrong gradient scale): every rank's local shard equals the matching chunk
   of the reference's parameters.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -39,6 +41,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -219,7 +222,7 @@ class MathAttention(Attention):
         if dt:  # heads sharded over TP: each rank attends over its own
             mesh, placements = q.device_mesh, q.placements
             q, k, v = q.to_local(), k.to_local(), v.to_local()
-        scores = (q @ k.transpose(-2, -1)) / self.head_dim**0.5 + torch.full((seq, seq), float("-inf")).triu(1)
+        scores = (q @ k.transpose(-2, -1)) / self.head_dim**0.5 + torch.full((seq, seq), float("-inf"), dtype=q.dtype).triu(1)
         out = torch.softmax(scores, dim=-1) @ v
         if dt:
             out = DTensor.from_local(out, mesh, placements, run_check=False)
@@ -245,23 +248,29 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def _example_run(impl, per_block: bool) -> dict:
+def _example_run(impl, per_block: bool, loss_par: bool = False) -> dict:
     """pytorch/examples' fsdp_tp_example.py: its device mesh, its TP/SP plan (the attention's
     second input, freqs_cis, left out), ``fully_shard(model, mesh=dp_mesh)``, AdamW with
     foreach, ``output.sum().backward()`` on tokens seeded by step and dp rank; plus
-    ``clip_grad_norm_`` (whose norm is recorded with the losses)."""
+    ``clip_grad_norm_`` (whose norm is recorded with the losses).
+
+    With `loss_par`, as torchtitan trains with TP: bf16 compute with fp32 reduction, the output
+    layer's logits left as a DTensor sharded over the vocabulary (the root unit's output), and
+    the cross-entropy computed on those shards under ``loss_parallel()``."""
     args = ModelArgs(n_layers=2, vocab_size=64, dim=32, n_heads=4)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     torch.manual_seed(0)
     model = Llama(args)
+    kw = dict(mp_policy=impl.mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if loss_par else {}
     parallelize_module(
         model,
         tp_mesh,
         {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_par else Replicate(),
+                                      use_local_output=not loss_par),
         },
     )
     for block in model.layers:
@@ -279,27 +288,34 @@ def _example_run(impl, per_block: bool) -> dict:
         }
         parallelize_module(block, tp_mesh, plan)
         if per_block:
-            impl.fully_shard(block, mesh=dp_mesh)
-    impl.fully_shard(model, mesh=dp_mesh)
+            impl.fully_shard(block, mesh=dp_mesh, **kw)
+    impl.fully_shard(model, mesh=dp_mesh, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
     losses = []
     for i in range(3):
         torch.manual_seed(i + dp_mesh.get_local_rank())
-        out = model(torch.randint(args.vocab_size, (4, 16)))
-        loss = out.sum()
-        loss.backward()
+        tokens = torch.randint(args.vocab_size, (4, 17))
+        out = model(tokens[:, :-1])
+        if loss_par:
+            assert isinstance(out, DTensor) and out.placements == (Shard(2),), f"logits: {type(out)} {getattr(out, 'placements', '')}"
+            with loss_parallel():
+                loss = F.cross_entropy(out.flatten(0, 1).float(), tokens[:, 1:].flatten())
+                loss.backward()
+        else:
+            loss = out.sum()
+            loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # every parameter on the 2-D mesh
         losses.append(norm.full_tensor().item())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
     return dict(losses=losses, locals=_locals(model))
 
 
-def example_flow(per_block: bool) -> None:
+def example_flow(per_block: bool, loss_par: bool = False) -> None:
     impl = load_impl()
-    got, ref = _example_run(impl, per_block), _example_run(ref_impl(), per_block)
-    what = f"[{impl.name}] fsdp_tp_example per_block={per_block}"
+    got, ref = _example_run(impl, per_block, loss_par), _example_run(ref_impl(), per_block, loss_par)
+    what = f"[{impl.name}] fsdp_tp_example per_block={per_block} loss_parallel={loss_par}"
     assert_close(f"{what}: losses", got["losses"], ref["losses"], dict(rtol=0, atol=0))
     for n, (t, *meta) in ref["locals"].items():
         assert got["locals"][n][1:] == tuple(meta), f"{what}: {n}: {got['locals'][n][1:]} vs torch's {tuple(meta)}"
@@ -307,7 +323,7 @@ def example_flow(per_block: bool) -> None:
 
 
 def example_grid() -> None:
-    run_grid([dict(per_block=False), dict(per_block=True)], example_flow, "example")
+    run_grid([dict(per_block=False), dict(per_block=True), dict(per_block=True, loss_par=True)], example_flow, "example")
 
 
 def test_fsdp_tp_example_flow_matches_torch_fsdp2():
