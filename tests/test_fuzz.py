@@ -113,6 +113,19 @@ class Spec:
     emb: str = "root"  # "root" | "unit" | "no_bwd_unshard"
     emb_reshard: bool | None = None
     steps: int = 2
+    # The training loop's own calls: a gradient divide factor on every unit (with sum-only
+    # reductions: gloo has no PREMUL_SUM, which torch FSDP2 uses for a factor otherwise); a
+    # validation forward under no_grad between optimizer steps; clip_grad_norm_ before it
+    # (the norm recorded with the losses); zero_grad(set_to_none=False), so the next backward
+    # accumulates into zeroed sharded gradients; with HSDP and 2 micro-batches, the
+    # all-reduce across replicas only on the last (set_requires_all_reduce); the root's
+    # unshard() or unshard(async_op=True) before each forward, as PyTorch's FSDP2 example.
+    divide: float | None = None
+    eval_between: bool = False
+    clip: bool = False
+    keep_zero_grads: bool = False
+    all_reduce_last: bool = False
+    unshard_first: str | None = None  # None | "sync" | "async"
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,6 +242,11 @@ def build(impl, spec: Spec, mesh) -> Net:
         model._fuzz_finalize = spec.finalize
         if spec.keep_storage:
             model.set_keep_unsharded_storage(True)
+    if spec.divide is not None:
+        for m in model.modules():
+            if isinstance(m, impl.FSDPModule):
+                m.set_gradient_divide_factor(spec.divide)
+                m.set_force_sum_reduction_for_comms(True)
     if spec.prefetch:
         units = [blk for blk in model.blocks if isinstance(blk, impl.FSDPModule)]
         for a, b in zip(units, units[1:]):
@@ -264,7 +282,7 @@ def train(model: Net, spec: Spec) -> dict:
     finalize = getattr(model, "_fuzz_finalize", None)  # fsdp_native's model only
     if finalize is not None:
         model.set_manual_backward_finalization(True)
-    for _ in range(spec.steps):
+    for step in range(spec.steps):
         refresh = getattr(model, "_fuzz_refresh", None)
         if refresh is not None:
             refresh()
@@ -277,8 +295,14 @@ def train(model: Net, spec: Spec) -> dict:
                 model.set_requires_gradient_sync(micro == spec.accum - 1)
                 if spec.keep_unsharded_in_accum:
                     model.set_reshard_after_backward(micro == spec.accum - 1)
+            if spec.all_reduce_last:
+                model.set_requires_all_reduce(micro == spec.accum - 1)
             tokens = torch.randint(spec.vocab, (2, 3), generator=g)
             target = torch.randn(2, 3, spec.vocab, generator=g)
+            if spec.unshard_first == "sync":
+                model.unshard()
+            elif spec.unshard_first == "async":
+                model.unshard(async_op=True)  # its pre-forward waits
             loss = (model(tokens).float() - target).pow(2).mean()
             loss.backward()
             losses.append(loss.item())
@@ -288,9 +312,20 @@ def train(model: Net, spec: Spec) -> dict:
             model.finalize_backward()
         elif finalize == "stage":
             model.finalize_backward(async_op=True).wait()
+        if spec.clip and params:
+            losses.append(torch.nn.utils.clip_grad_norm_(params, 0.5).full_tensor().item())
         if opt is not None:
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not spec.keep_zero_grads)
+        # Between steps only: after a forward under no_grad, torch FSDP2 registers a unit with an
+        # int reshard_after_forward by its post-forward shards, whose values as DTensors are not
+        # the parameters' (tests/test_training_flows.py), so the final comparison must not
+        # follow one.
+        if spec.eval_between and step < spec.steps - 1:
+            if refresh is not None:  # the reference's quantized values of the updated parameters
+                refresh()
+            with torch.no_grad():
+                losses.append(model(torch.arange(6).remainder(spec.vocab).view(2, 3)).float().sum().item())
     return {"losses": losses, "params": full_params(model)}
 
 
@@ -357,8 +392,17 @@ def specs(draw, world_size: int = 2) -> Spec:
     # once per use in its synced backward, which rounds otherwise.
     finalize = draw(st.sampled_from([None, "stage"] + ([] if spec.shared else ["titan"]))) if NATIVE else None
     keep_storage = NATIVE and draw(st.booleans())
+    loop = dict(
+        divide=draw(st.sampled_from([None, 1.0, 3.0, 2.0 * world_size])),
+        eval_between=draw(st.booleans()),
+        clip=draw(st.booleans()),
+        keep_zero_grads=draw(st.booleans()),
+        all_reduce_last=mesh == "hsdp" and accum > 1 and finalize != "titan" and draw(st.booleans()),
+        unshard_first=draw(st.sampled_from([None, "sync", "async"])),
+    )
     return dataclasses.replace(
-        spec, frozen=tuple(sorted(frozen)), quant=quant, convert=convert, shard_dim=shard_dim, finalize=finalize, keep_storage=keep_storage
+        spec, frozen=tuple(sorted(frozen)), quant=quant, convert=convert, shard_dim=shard_dim, finalize=finalize,
+        keep_storage=keep_storage, **loop,
     )
 
 

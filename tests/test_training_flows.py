@@ -25,6 +25,10 @@
   gradients unreduced, None on the sharded parameters, until 2026-12-02). fsdp_native warns of
   such outputs, as torch FSDP2 does since 2.13.
 
+* **A validation forward under no_grad after each step**, the parameters read right after it,
+  with units resharded to 2 of 4 ranks after forward (``reshard_after_forward=2``), where
+  torch FSDP2's registered parameters are wrong on some ranks (the comment at the test).
+
 Bit for bit torch FSDP2's losses, gradients of the last step (None where torch has None) and
 parameters, in fp32 and with a bf16 policy; in fp32 also an unsharded model trained on the mean
 of the ranks' losses, within 1e-6 (Muon: within 1e-2, 2e-2 before torch 2.11, as its iterations
@@ -33,6 +37,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_native._compat import TORCH_VERSION
 
@@ -233,3 +239,88 @@ def _check() -> None:
 
 def test_training_flows_match_torch_and_unsharded():
     run_distributed(_check, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# A validation forward under no_grad after each step, the parameters read right after it
+# (found by the fuzzing, tests/test_fuzz.py, on 2026-12-02). Each block unit reshards to 2 of
+# the 4 ranks after forward (reshard_after_forward=2); the root keeps its parameters unsharded
+# after forward, as a root does by default. After a no_grad forward no backward reshards the
+# blocks fully, so they wait in their post-forward shards until the next forward. torch FSDP2
+# registers those post-forward shards as the parameters meanwhile (DTensors on a 2-D
+# (Replicate(), Shard(0)) mesh), and on some ranks their local tensors hold other values than
+# the parameters' shards: `model.parameters()` read then (a weight-norm log, an EMA update)
+# gives wrong values, while its state_dict() is right. fsdp_native keeps the
+# sharded parameters registered. Checked: the losses and validation outputs bit for bit torch
+# FSDP2's; the parameters read after the last validation forward, torch's state_dict() values
+# and, in fp32, an unsharded model's (within FP32_TOL), with reshard_after_forward 2 and
+# False for the blocks.
+
+def _validation_run(impl, raf, mp: bool) -> dict:
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    model = _model()
+    if impl is not None:
+        mesh = init_device_mesh("cpu", (ws,))
+        kw = dict(mesh=mesh)
+        if mp:
+            kw["mp_policy"] = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.blocks:
+            impl.fully_shard(b, reshard_after_forward=raf, **kw)
+        impl.fully_shard(model, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ranks = [rank] if impl is not None else range(ws)
+    xs = {r: _inputs(r) for r in ranks}
+    probe = torch.linspace(-1, 1, 8).view(2, 4)
+    losses = []
+    for step in range(STEPS):
+        loss = torch.stack([model(xs[r][step]).float().pow(2).mean() for r in ranks]).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            out = model(probe).float()
+        losses += [loss.item(), out.sum().item()]
+    read = {n: full(p) for n, p in model.named_parameters()}  # right after the no_grad forward
+    # the root stays unsharded after forward (its reshard_after_forward is None), in both libraries
+    registered = {n: tuple(p.placements) if isinstance(p, DTensor) else None for n, p in model.named_parameters()}
+    state = {n: full(t) for n, t in model.state_dict().items()}
+    return dict(losses=losses, params=read, state=state, registered=registered)
+
+
+def _validation(raf, mp: bool) -> None:
+    ours, theirs = _validation_run(load_impl(), raf, mp), _validation_run(ref_impl(), raf, mp)
+    what = f"[validation, reshard_after_forward {raf}, mp {mp}]"
+    # The losses and validation outputs, and the parameters read after the validation forward:
+    # torch's where it registers the root's unsharded ones (bf16 with mp) or the sharded
+    # ones, its state_dict()'s where it registers post-forward shards.
+    post_forward = {n for n, pl in theirs["registered"].items() if pl is not None and len(pl) == 2}
+    expected = {n: theirs["state" if n in post_forward else "params"][n] for n in theirs["params"]}
+    assert_same_run(what, ours, dict(theirs, params=expected))
+    assert_same_run(f"{what} state_dict()", dict(ours, params=ours["state"]), dict(theirs, params=theirs["state"]))
+    if load_impl().name == "fsdp_native" and raf is not False:
+        blocks = {n: pl for n, pl in ours["registered"].items() if n.startswith("blocks.")}
+        assert set(blocks.values()) == {(Shard(0),)}, f"{what} registered: {blocks}"
+    if not mp:
+        plain = _validation_run(None, raf, mp)
+        mean = torch.tensor(ours["losses"])  # every rank's validation outputs are the same
+        dist.all_reduce(mean)
+        assert_same_run(f"{what} against an unsharded model", dict(ours, losses=mean / dist.get_world_size()), plain, FP32_TOL)
+
+
+def _torch_post_forward_params() -> None:
+    """What the test above guards against: torch FSDP2's parameters read after such a forward."""
+    run = _validation_run(ref_impl(), 2, False)
+    blocks = {n: pl for n, pl in run["registered"].items() if n.startswith("blocks.")}
+    assert all(pl is not None and len(pl) == 2 for pl in blocks.values()), f"torch FSDP2 registered {blocks} (update this test's comment)"
+    wrong = sorted(n for n in blocks if not torch.equal(run["params"][n], run["state"][n]))
+    assert wrong, "torch FSDP2's parameters read after the forward are its state_dict()'s now (update this test's comment)"
+
+
+def _validation_grid() -> None:
+    if load_impl().name == "fsdp_native":
+        run_grid([{}], lambda: _torch_post_forward_params(), name="torch")
+    run_grid(grid(raf=[2, False], mp=[False, True]), _validation, name="validation")
+
+
+def test_parameters_read_after_a_validation_forward():
+    run_distributed(_validation_grid, 4)
