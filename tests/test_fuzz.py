@@ -22,6 +22,9 @@ shard_placement_fn putting every matrix whose dim 1 (or -1) divides the shard ra
 dim (not with an int reshard_after_forward of 2, nor for a zero-size parameter: torch FSDP2
 raises for both); with fsdp_native under test, manual backward finalization (torchtitan's flow
 or a pipeline stage's) and kept unsharded storage, which must train as torch's automatic flow;
+the loop's own calls (a gradient divide factor with sum-only reductions, a validation forward
+under no_grad between the steps, clip_grad_norm_, zero_grad(set_to_none=False), HSDP's
+all-reduce on the last micro-batch only, the root's unshard() before each forward);
 2 steps of AdamW. World size 4 examples are HSDP 2x2 or 1-D over 4 ranks. With fsdp_native under test,
 about 3 examples in 8 also give every unit fsdp_native's quantized all-gather (fp8_rowwise,
 fp8_tensorwise or NF4, every parameter of 2 or more dims quantized): torch FSDP2 then trains
