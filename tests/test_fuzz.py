@@ -23,7 +23,8 @@ dim (not with an int reshard_after_forward of 2, nor for a zero-size parameter: 
 raises for both); with fsdp_native under test, manual backward finalization (torchtitan's flow
 or a pipeline stage's) and kept unsharded storage, which must train as torch's automatic flow;
 the loop's own calls (a gradient divide factor with sum-only reductions, a validation forward
-under no_grad between the steps, clip_grad_norm_, zero_grad(set_to_none=False), HSDP's
+under no_grad between the steps or after each with every unit's reshard() after it, optionally
+with set_reshard_after_forward(False) for it, clip_grad_norm_, zero_grad(set_to_none=False), HSDP's
 all-reduce on the last micro-batch only, the root's unshard() before each forward);
 2 steps of AdamW. World size 4 examples are HSDP 2x2 or 1-D over 4 ranks. With fsdp_native under test,
 about 3 examples in 8 also give every unit fsdp_native's quantized all-gather (fp8_rowwise,
@@ -125,6 +126,11 @@ class Spec:
     # unshard() or unshard(async_op=True) before each forward, as PyTorch's FSDP2 example.
     divide: float | None = None
     eval_between: bool = False
+    # after each validation forward (then after the last step too): "reshard", every unit's
+    # reshard(); "keep", set_reshard_after_forward(False) on every unit for the validation
+    # forward (RL rollouts keep the weights gathered), then reshard() and the units' own
+    # settings back (not with an int reshard_after_forward: the setter takes a bool)
+    eval_after: str | None = None
     clip: bool = False
     keep_zero_grads: bool = False
     all_reduce_last: bool = False
@@ -204,6 +210,12 @@ def build(impl, spec: Spec, mesh) -> Net:
     fs = impl.fully_shard
     if spec.quant is not None:
         fs = _quantizing(impl, spec, model, mesh)
+    model._fuzz_units = units = []  # (a module of each unit, its reshard_after_forward)
+    shard = fs
+
+    def fs(module, reshard_after_forward, **kw):
+        shard(module, reshard_after_forward=reshard_after_forward, **kw)
+        units.append((module[0] if isinstance(module, list) else module, reshard_after_forward))
     mp_kw = {
         "fp32": {},
         "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
@@ -320,15 +332,23 @@ def train(model: Net, spec: Spec) -> dict:
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=not spec.keep_zero_grads)
-        # Between steps only: after a forward under no_grad, torch FSDP2 registers a unit with an
-        # int reshard_after_forward by its post-forward shards, whose values as DTensors are not
-        # the parameters' (tests/test_training_flows.py), so the final comparison must not
-        # follow one.
-        if spec.eval_between and step < spec.steps - 1:
+        # Between steps only unless resharded after: after a forward under no_grad, torch FSDP2
+        # registers a unit with an int reshard_after_forward by its post-forward shards, whose
+        # values as DTensors are not the parameters' (tests/test_training_flows.py), so the
+        # final comparison must not follow one.
+        if spec.eval_between and (step < spec.steps - 1 or spec.eval_after is not None):
             if refresh is not None:  # the reference's quantized values of the updated parameters
                 refresh()
+            if spec.eval_after == "keep":
+                for m, _ in model._fuzz_units:
+                    m.set_reshard_after_forward(False, recurse=False)
             with torch.no_grad():
                 losses.append(model(torch.arange(6).remainder(spec.vocab).view(2, 3)).float().sum().item())
+            if spec.eval_after is not None:
+                for m, raf in model._fuzz_units:
+                    m.reshard()
+                    if spec.eval_after == "keep":  # None: the root keeps its parameters, the others do not
+                        m.set_reshard_after_forward(raf if raf is not None else m is not model, recurse=False)
     return {"losses": losses, "params": full_params(model)}
 
 
@@ -395,9 +415,11 @@ def specs(draw, world_size: int = 2) -> Spec:
     # once per use in its synced backward, which rounds otherwise.
     finalize = draw(st.sampled_from([None, "stage"] + ([] if spec.shared else ["titan"]))) if NATIVE else None
     keep_storage = NATIVE and draw(st.booleans())
+    any_int = any(type(r) is int for r in [b.reshard for b in blocks] + [spec.head_reshard, spec.root_reshard, spec.emb_reshard])
     loop = dict(
         divide=draw(st.sampled_from([None, 1.0, 3.0, 2.0 * world_size])),
         eval_between=draw(st.booleans()),
+        eval_after=draw(st.sampled_from([None, "reshard"] + ([] if any_int else ["keep"]))),
         clip=draw(st.booleans()),
         keep_zero_grads=draw(st.booleans()),
         all_reduce_last=mesh == "hsdp" and accum > 1 and finalize != "titan" and draw(st.booleans()),
