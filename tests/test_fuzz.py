@@ -25,7 +25,8 @@ or a pipeline stage's) and kept unsharded storage, which must train as torch's a
 the loop's own calls (a gradient divide factor with sum-only reductions, a validation forward
 under no_grad between the steps or after each with every unit's reshard() after it, optionally
 with set_reshard_after_forward(False) for it, clip_grad_norm_, zero_grad(set_to_none=False), HSDP's
-all-reduce on the last micro-batch only, the root's unshard() before each forward);
+all-reduce on the last micro-batch only, the root's unshard() before each forward, every
+parameter clamped in place after each step);
 2 steps of AdamW. World size 4 examples are HSDP 2x2 or 1-D over 4 ranks. With fsdp_native under test,
 about 3 examples in 8 also give every unit fsdp_native's quantized all-gather (fp8_rowwise,
 fp8_tensorwise or NF4, every parameter of 2 or more dims quantized): torch FSDP2 then trains
@@ -131,6 +132,9 @@ class Spec:
     # forward (RL rollouts keep the weights gathered), then reshard() and the units' own
     # settings back (not with an int reshard_after_forward: the setter takes a bool)
     eval_after: str | None = None
+    # after each optimizer step, every parameter clamped in place, as WGAN's weight clipping:
+    # "no_grad" (p.clamp_ under torch.no_grad()) or "data" (p.data.clamp_, the original code's)
+    clamp: str | None = None
     clip: bool = False
     keep_zero_grads: bool = False
     all_reduce_last: bool = False
@@ -332,6 +336,13 @@ def train(model: Net, spec: Spec) -> dict:
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=not spec.keep_zero_grads)
+        if spec.clamp == "no_grad":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.3, 0.3)
+        elif spec.clamp == "data":
+            for p in model.parameters():
+                p.data.clamp_(-0.3, 0.3)
         # Between steps only unless resharded after: after a forward under no_grad, torch FSDP2
         # registers a unit with an int reshard_after_forward by its post-forward shards, whose
         # values as DTensors are not the parameters' (tests/test_training_flows.py), so the
@@ -419,6 +430,7 @@ def specs(draw, world_size: int = 2) -> Spec:
     loop = dict(
         divide=draw(st.sampled_from([None, 1.0, 3.0, 2.0 * world_size])),
         eval_between=draw(st.booleans()),
+        clamp=draw(st.sampled_from([None, "no_grad", "data"])),
         eval_after=draw(st.sampled_from([None, "reshard"] + ([] if any_int else ["keep"]))),
         clip=draw(st.booleans()),
         keep_zero_grads=draw(st.booleans()),
