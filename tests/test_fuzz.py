@@ -427,11 +427,19 @@ def specs(draw, world_size: int = 2) -> Spec:
     finalize = draw(st.sampled_from([None, "stage"] + ([] if spec.shared else ["titan"]))) if NATIVE else None
     keep_storage = NATIVE and draw(st.booleans())
     any_int = any(type(r) is int for r in [b.reshard for b in blocks] + [spec.head_reshard, spec.root_reshard, spec.emb_reshard])
+    eval_after = draw(st.sampled_from([None, "reshard"] + ([] if any_int else ["keep"])))
     loop = dict(
         divide=draw(st.sampled_from([None, 1.0, 3.0, 2.0 * world_size])),
-        eval_between=draw(st.booleans()),
+        # Not a unit left in its post-forward shards by a validation forward, then gathered
+        # from them, with a quantized all-gather: there the reference (torch FSDP2 with the
+        # quantized values written after its all-gathers) trains on values one bf16 ulp off
+        # the parameters' quantized ones, while fsdp_native's are those exactly (found on
+        # 2026-12-02, seed 7003, and checked against the quantized values directly). torch
+        # makes its post-forward shards from its all-gather buffer
+        # (FSDPParam.to_sharded_post_forward), which the reference's writes may not reach.
+        eval_between=draw(st.booleans()) and not (quant is not None and any_int and eval_after is None),
         clamp=draw(st.sampled_from([None, "no_grad", "data"])),
-        eval_after=draw(st.sampled_from([None, "reshard"] + ([] if any_int else ["keep"]))),
+        eval_after=eval_after,
         clip=draw(st.booleans()),
         keep_zero_grads=draw(st.booleans()),
         all_reduce_last=mesh == "hsdp" and accum > 1 and finalize != "titan" and draw(st.booleans()),
