@@ -318,7 +318,7 @@ def _torch_post_forward_params() -> None:
 
 def _validation_grid() -> None:
     if load_impl().name == "fsdp_native":
-        run_grid([{}], lambda: _torch_post_forward_params(), name="torch")
+        run_grid([{}], _torch_post_forward_params, name="torch")
     run_grid(grid(raf=[2, False], mp=[False, True]), _validation, name="validation")
 
 
