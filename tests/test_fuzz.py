@@ -26,7 +26,7 @@ the loop's own calls (a gradient divide factor with sum-only reductions, a valid
 under no_grad between the steps or after each with every unit's reshard() after it, optionally
 with set_reshard_after_forward(False) for it, clip_grad_norm_, zero_grad(set_to_none=False), HSDP's
 all-reduce on the last micro-batch only, the root's unshard() before each forward, every
-parameter clamped in place after each step);
+parameter clamped in place after each step, parameters frozen after the first step);
 2 steps of AdamW. World size 4 examples are HSDP 2x2 or 1-D over 4 ranks. With fsdp_native under test,
 about 3 examples in 8 also give every unit fsdp_native's quantized all-gather (fp8_rowwise,
 fp8_tensorwise or NF4, every parameter of 2 or more dims quantized): torch FSDP2 then trains
@@ -135,6 +135,9 @@ class Spec:
     # after each optimizer step, every parameter clamped in place, as WGAN's weight clipping:
     # "no_grad" (p.clamp_ under torch.no_grad()) or "data" (p.data.clamp_, the original code's)
     clamp: str | None = None
+    # parameters frozen after the first step (requires_grad_(False) on the sharded parameter:
+    # fine-tuning that freezes a part later)
+    freeze_later: tuple[str, ...] = ()
     clip: bool = False
     keep_zero_grads: bool = False
     all_reduce_last: bool = False
@@ -336,6 +339,10 @@ def train(model: Net, spec: Spec) -> dict:
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=not spec.keep_zero_grads)
+        if step == 0:
+            for n, p in model.named_parameters():
+                if n in spec.freeze_later:
+                    p.requires_grad_(False)
         if spec.clamp == "no_grad":
             with torch.no_grad():
                 for p in model.parameters():
@@ -445,9 +452,11 @@ def specs(draw, world_size: int = 2) -> Spec:
         all_reduce_last=mesh == "hsdp" and accum > 1 and finalize != "titan" and draw(st.booleans()),
         unshard_first=draw(st.sampled_from([None, "sync", "async"])),
     )
+    trainable = [n for n in names if n not in frozen]
+    freeze_later = draw(st.lists(st.sampled_from(trainable), max_size=3, unique=True)) if trainable and draw(st.booleans()) else []
     return dataclasses.replace(
         spec, frozen=tuple(sorted(frozen)), quant=quant, convert=convert, shard_dim=shard_dim, finalize=finalize,
-        keep_storage=keep_storage, **loop,
+        keep_storage=keep_storage, freeze_later=tuple(sorted(freeze_later)), **loop,
     )
 
 
