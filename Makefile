@@ -86,11 +86,12 @@ demo-hf: build
 	bash scripts/demo_hf.sh
 
 # Differential fuzzing against torch FSDP2 (tests/test_fuzz.py): 300 examples at world size 2
-# and 30 HSDP 2x2 ones at world size 4; `make test` runs a small derandomized slice of it.
+# and 30 HSDP 2x2 ones at world size 4; with tensor parallelism (tests/test_fuzz_tp.py), 60 on a
+# 2 x 2 (dp, tp) mesh. `make test` runs a small derandomized slice of each.
 .PHONY: fuzz
 fuzz: build
 	FSDP_FUZZ_EXAMPLES=$${FSDP_FUZZ_EXAMPLES:-300} FSDP_FUZZ_HSDP_EXAMPLES=$${FSDP_FUZZ_HSDP_EXAMPLES:-30} \
-		$(PY) -m pytest -q tests/test_fuzz.py
+		FSDP_FUZZ_TP_EXAMPLES=$${FSDP_FUZZ_TP_EXAMPLES:-60} $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_tp.py
 
 bench-step: build
 	$(PY) benchmarks/bench_step.py

@@ -493,15 +493,15 @@ def compare(spec: Spec) -> None:
 _COUNTER = [0]
 
 
-def run_example(spec: Spec) -> None:
-    """`compare` on every rank; the outcome is agreed through the store, and a failure on any
-    rank raises the same AssertionError here on every rank."""
+def run_example(spec, check=None) -> None:
+    """`check(spec)` (default `compare`) on every rank; the outcome is agreed through the
+    store, and a failure on any rank raises the same AssertionError here on every rank."""
     c = ctx()
     i = _COUNTER[0]
     _COUNTER[0] += 1
     error = ""
     try:
-        compare(spec)
+        (check or compare)(spec)
     except Exception as e:  # noqa: BLE001 - reported below, on every rank
         # A difference in the results leaves the process group in step; anything else may not.
         kind = "differs" if isinstance(e, AssertionError) else "raised"
