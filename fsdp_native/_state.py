@@ -161,24 +161,20 @@ class RootContext:
     def end_backward(self) -> None:
         """Runs once autograd finished: post-backward for units autograd did not reach through
         their inputs (the root, most often), then every pending reduction completes."""
-        if torch.is_grad_enabled():
-            # A backward with create_graph=True. Where it accumulated parameter gradients
-            # (loss.backward(create_graph=True)), it ends as an ordinary backward, as in torch
-            # FSDP2: the gradients are reduced as plain values (their graph ends there), and
-            # nothing is kept for a further backward through it, which is not supported.
-            if any(u.held and u.accumulated_since_hold() for u in self.units):
-                for u in self.units:
-                    u.release()
-                with torch.no_grad():
-                    self._end_backward()
-            else:  # torch.autograd.grad(..., create_graph=True)
-                self._end_higher_order()
+        # A backward with create_graph=True runs in grad mode. torch.autograd.grad(...,
+        # create_graph=True) accumulates no parameter gradient: nothing is reduced.
+        if torch.is_grad_enabled() and not any(u.held and u.accumulated_since_hold() for u in self.units):
+            self._end_higher_order()
             return
         # An ordinary backward has now run through (and freed) every graph a backward with
-        # create_graph=True built: the units it held free their storage at their reshard.
+        # create_graph=True built: the units it held free their storage at their reshard. So
+        # does loss.backward(create_graph=True), which accumulated gradients: it ends as an
+        # ordinary backward, as in torch FSDP2, the gradients reduced as plain values (their
+        # graph ends there); a further backward through it is not supported.
         for u in self.units:
             u.release()
-        self._end_backward()
+        with torch.no_grad():
+            self._end_backward()
 
     def _end_backward(self) -> None:
         self.callback_queued = False
