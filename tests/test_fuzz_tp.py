@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from dist_utils import load_impl, ref_impl, run_distributed
 from test_fuzz import FUZZ_SEED, _settings, run_example
+from test_tensor_parallel import _locals
 
 TP_EXAMPLES = int(os.environ.get("FSDP_FUZZ_TP_EXAMPLES", "2"))
 SEQ = 4  # divides the TP ranks: sequence parallelism shards it
@@ -132,8 +133,7 @@ def train(model: Model, spec: TPSpec, dp_rank: int) -> dict:
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-    local = {n: (p.to_local().detach().clone(), tuple(p.placements), tuple(p.shape)) for n, p in model.named_parameters()}
-    return dict(losses=losses, local=local)
+    return dict(losses=losses, local=_locals(model))
 
 
 def compare(spec: TPSpec) -> None:
