@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_native._compat import TORCH_VERSION
 
-from dist_utils import assert_close, assert_same_run, full, full_params, grid, load_impl, ref_impl, run_distributed, run_grid
+from dist_utils import assert_close, assert_same_run, full, full_params, grid, load_impl, rank_mean, ref_impl, run_distributed, run_grid
 from models import BlockStack, ResidualMLP, shard_stack
 
 STEPS = 5
@@ -302,9 +302,8 @@ def _validation(raf, mp: bool) -> None:
         assert set(blocks.values()) == {(Shard(0),)}, f"{what} registered: {blocks}"
     if not mp:
         plain = _validation_run(None, raf, mp)
-        mean = torch.tensor(ours["losses"])  # every rank's validation outputs are the same
-        dist.all_reduce(mean)
-        assert_same_run(f"{what} against an unsharded model", dict(ours, losses=mean / dist.get_world_size()), plain, FP32_TOL)
+        mean = rank_mean(torch.tensor(ours["losses"]))  # every rank's validation outputs are the same
+        assert_same_run(f"{what} against an unsharded model", dict(ours, losses=mean), plain, FP32_TOL)
 
 
 def _torch_post_forward_params() -> None:
