@@ -318,9 +318,20 @@ def _clear_dtensor_caches() -> None:
         return
     prop = DTensor._op_dispatcher.sharding_propagator
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        clear = getattr(getattr(prop, name, None), "cache_clear", None)
+        cached = getattr(prop, name, None)
+        # torch 2.9 wraps the first in a per-thread LocalLRUCache, whose lru cache is `.cache`
+        clear = getattr(cached, "cache_clear", None) or getattr(getattr(cached, "cache", None), "cache_clear", None)
         if clear is not None:
             clear()
+    # The redistribution planner's cache. On torch 2.9 it hands out the _MaskPartial (the
+    # placement of a row-wise sharded embedding's indices) of an earlier run, while a sharding
+    # propagation that missed its cache gives the output a new one: the mask goes to the first,
+    # the reduction reads the second, and fails on "assert self.mask_buffer.data is not None".
+    from torch.distributed.tensor import _redistribute
+
+    clear = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)
+    if clear is not None:
+        clear()
     import torch
 
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)

@@ -260,3 +260,33 @@ def test_map_tensors_keeps_unchanged_containers():
     assert out[2] is tree[2]
     nothing = ([c], {"stats": stats}, Pair(c, 1))
     assert _tree.map_tensors(lambda t: t, nothing) is nothing
+
+
+def test_tree_walks_leave_no_reference_cycle():
+    """fsdp_native._tree.tensors and map_tensors leave nothing for the cyclic garbage collector:
+    with it off, the tensors a walk visited and returned are freed as soon as the caller drops
+    them. A recursive closure kept them in a cycle, and on torch 2.9 the collector then cleared
+    the __slots__ of a unit's marked DTensor input that only the autograd graph still held
+    (the backward failed on "'DTensor' object has no attribute '_local_tensor'"; test_spmd_mesh
+    runs that flow, with a collection between forward and backward)."""
+    import gc
+    import weakref
+
+    from fsdp_native import _tree
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for walk in ("tensors", "map_tensors"):
+            inp = torch.ones(3)
+            tree = ([inp], {"s": State(h=inp, aux=None)}, AttrDict(h=inp))
+            outs = iter([torch.zeros(3) for _ in range(3)])
+            got = _tree.tensors(tree) if walk == "tensors" else _tree.map_tensors(lambda t: next(outs), tree)
+            refs = [weakref.ref(t) for t in (_tree.tensors(got) if walk == "map_tensors" else got)]
+            assert len(refs) == 3 and all(r() is not None for r in refs), walk
+            del got, outs, tree, inp
+            alive = sum(r() is not None for r in refs)
+            assert alive == 0, f"{walk}: {alive} of the visited tensors still held after the caller dropped them"
+    finally:
+        if was_enabled:
+            gc.enable()
