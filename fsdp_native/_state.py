@@ -592,9 +592,12 @@ def pre_backward(unit: Unit) -> None:
         unit._t_compute = _trace.now_us()
 
 
+@_functorch_off
 def lazy_init(module: nn.Module) -> RootContext:
     """The first forward of an unsharded-context unit makes its module the root of every unit
-    below it, as FSDP2 does."""
+    below it, as FSDP2 does. Outside torch.func's transforms: on torch 2.9 the structure check's
+    all-gather under ``torch.func.jvp`` made its table a wrapper without storage, which
+    ``.tolist()`` cannot read."""
     units: list[Unit] = []
     for name, sub in module.named_modules():
         unit = getattr(sub, "_fsdp_native_unit", None)
