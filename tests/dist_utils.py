@@ -323,7 +323,7 @@ def _clear_dtensor_caches() -> None:
         clear = getattr(cached, "cache_clear", None) or getattr(getattr(cached, "cache", None), "cache_clear", None)
         if clear is not None:
             clear()
-    # The redistribution planner's cache. On torch 2.9 it hands out the _MaskPartial (the
+    # The redistribution planner's cache. On torch 2.9 and 2.10 it hands out the _MaskPartial (the
     # placement of a row-wise sharded embedding's indices) of an earlier run, while a sharding
     # propagation that missed its cache gives the output a new one: the mask goes to the first,
     # the reduction reads the second, and fails on "assert self.mask_buffer.data is not None".
