@@ -401,3 +401,54 @@ def test_transformers_native_fsdp_hook_point(monkeypatch):
         fi.use_with_accelerate(cpu=True)
     assert "transformers.distributed.fsdp.apply_fully_sharded_data_parallelism does not call the module's fully_shard" in str(e.value)
     assert tf_fsdp.fully_shard is torch_fs and not fi._ACTIVE
+
+
+
+def _import_kernels_from_checkout(extra_path: str | None, hide_others: bool = False) -> list[str]:
+    """`import kernels` in a fresh interpreter run from the repository root, whose folder
+    `kernels/` (fsdp_native.kernels) is then on sys.path as '' ahead of everything else; what it
+    printed. ``hide_others``: first take off sys.path every other folder that holds a
+    `kernels` (Hugging Face's is installed with transformers 5.25)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env.pop("PYTHONSAFEPATH", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
+    code = f"""
+import os, sys
+assert sys.path[0] == ''
+import fsdp_native.kernels.quant as q
+print(q.__name__)
+if {hide_others}:
+    sys.path[1:] = [p for p in sys.path[1:] if not os.path.exists(os.path.join(p, 'kernels'))]
+try:
+    import kernels, kernels.sub
+    print(kernels.__name__, kernels.WHO, kernels.sub.WHO)
+except ImportError as e:
+    print(type(e).__name__, e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+def test_checkout_root_does_not_hide_hugging_face_kernels(tmp_path):
+    """Run from a source checkout, the top-level name `kernels` is still Hugging Face's
+    package (transformers 5.25 requires and imports it): the checkout's `kernels/` folder
+    once took the name, and `import transformers.trainer` failed ("cannot import name
+    'CUDAProperties' from 'kernels'")."""
+    pkg = tmp_path / "kernels"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("WHO = 'the other package'\n")
+    (pkg / "sub.py").write_text("WHO = 'its submodule'\n")
+    out = _import_kernels_from_checkout(str(tmp_path))
+    assert out == ["fsdp_native.kernels.quant", "kernels the other package its submodule"]
+
+
+def test_checkout_root_without_other_kernels_package():
+    """Without another package of that name, `import kernels` fails as it does outside the
+    checkout (transformers then finds no hub kernels and goes on)."""
+    out = _import_kernels_from_checkout(None, hide_others=True)
+    assert out == ["fsdp_native.kernels.quant", "ModuleNotFoundError No module named 'kernels'"]
