@@ -3,10 +3,10 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 TORCH_VERSION ?= 2.13.0
 # Hugging Face integration (fsdp_native.integrations, tests/test_hf_*.py): the tested versions.
-TRANSFORMERS_VERSION ?= 5.24.0
+TRANSFORMERS_VERSION ?= 5.25.0
 ACCELERATE_VERSION ?= 1.16.0
 # PEFT: LoRA fine-tuning through the Trainer (tests/test_hf_peft.py).
-PEFT_VERSION ?= 0.21.2
+PEFT_VERSION ?= 0.22.0
 # Lightning Fabric's ModelParallelStrategy (tests/test_lightning.py).
 LIGHTNING_VERSION ?= 2.6.6
 # TRL: its DPO, GRPO and SFT (QLoRA) trainers over the Trainer's FSDP2 path (tests/test_trl.py).

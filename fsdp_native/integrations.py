@@ -11,7 +11,7 @@ torch's::
         trainer = Trainer(model, args=TrainingArguments(..., fsdp=True, fsdp_config={...}), ...)
         trainer.train()
 
-What it patches, and why that is all it needs (Accelerate 1.15, Transformers 5.18 and 5.24):
+What it patches, and why that is all it needs (Accelerate 1.15 and 1.16, Transformers 5.18 to 5.25):
 
 * ``torch.distributed.fsdp.fully_shard``. Accelerate's ``fsdp2_prepare_model`` imports
   ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy`` from ``torch.distributed.fsdp``
@@ -70,7 +70,7 @@ __all__ = [
 # The versions the test suite (tests/test_hf_*.py) runs against; the Makefile pins them.
 TESTED_VERSIONS: dict[str, tuple[str, ...]] = {
     "accelerate": ("1.15.0", "1.16.0"),
-    "transformers": ("5.18.0", "5.24.0"),
+    "transformers": ("5.24.0", "5.25.0"),
 }
 
 _ACTIVE: list["AccelerateIntegration"] = []

@@ -12,7 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 # The versions the HF tests were written and run against (the Makefile installs these).
-PINNED = {"accelerate": "1.16.0", "transformers": "5.24.0"}
+PINNED = {"accelerate": "1.16.0", "transformers": "5.25.0"}
 
 VOCAB = 96
 SEQ = 16
@@ -303,7 +303,7 @@ def test_unknown_hook_points_fail_clearly(monkeypatch):
         fi.use_with_accelerate(cpu=True)
     msg = str(e.value)
     assert f"accelerate {PINNED['accelerate']}" in msg and f"transformers {PINNED['transformers']}" in msg
-    assert "tested with accelerate 1.15.0 / 1.16.0, transformers 5.18.0 / 5.24.0" in msg
+    assert "tested with accelerate 1.15.0 / 1.16.0, transformers 5.24.0 / 5.25.0" in msg
     assert "fsdp2_prepare_model does not import fully_shard from torch.distributed.fsdp" in msg
     assert "accelerate.utils.fsdp_utils bind(s) torch's fully_shard at import time" in msg
     assert tfsdp.fully_shard is not __import__("fsdp_native").fully_shard  # nothing patched
@@ -406,23 +406,31 @@ def test_transformers_native_fsdp_hook_point(monkeypatch):
 
 def _import_kernels_from_checkout(extra_path: str | None, hide_others: bool = False) -> list[str]:
     """`import kernels` in a fresh interpreter run from the repository root, whose folder
-    `kernels/` (fsdp_native.kernels) is then on sys.path as '' ahead of everything else; what it
-    printed. ``hide_others``: first take off sys.path every other folder that holds a
+    `kernels/` (fsdp_native.kernels) is then on sys.path as '', ahead of every installed
+    package; what it printed. ``hide_others``: first take off sys.path every other folder that holds a
     `kernels` (Hugging Face's is installed with transformers 5.25)."""
     import subprocess
     import sys
 
+    import fsdp_native
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Where this process took fsdp_native from: the checkout with `make test`'s editable
+    # install, a build folder (PYTHONPATH) for the other torch versions' suites, whose
+    # extension is built for their torch.
+    lib = os.path.dirname(os.path.dirname(os.path.abspath(fsdp_native.__file__)))
     env = dict(os.environ)
     env.pop("PYTHONSAFEPATH", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
     code = f"""
 import os, sys
 assert sys.path[0] == ''
+sys.path.insert(0, {lib!r})
 import fsdp_native.kernels.quant as q
 print(q.__name__)
 if {hide_others}:
-    sys.path[1:] = [p for p in sys.path[1:] if not os.path.exists(os.path.join(p, 'kernels'))]
+    keep = ('', {root!r})
+    sys.path[:] = [p for p in sys.path if p in keep or not os.path.exists(os.path.join(p, 'kernels'))]
 try:
     import kernels, kernels.sub
     print(kernels.__name__, kernels.WHO, kernels.sub.WHO)
