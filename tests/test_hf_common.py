@@ -403,12 +403,11 @@ def test_transformers_native_fsdp_hook_point(monkeypatch):
     assert tf_fsdp.fully_shard is torch_fs and not fi._ACTIVE
 
 
-
 def _import_kernels_from_checkout(extra_path: str | None, hide_others: bool = False) -> list[str]:
     """`import kernels` in a fresh interpreter run from the repository root, whose folder
     `kernels/` (fsdp_native.kernels) is then on sys.path as '', ahead of every installed
-    package; what it printed. ``hide_others``: first take off sys.path every other folder that holds a
-    `kernels` (Hugging Face's is installed with transformers 5.25)."""
+    package; what it printed. ``hide_others``: first take off sys.path every other folder that
+    holds a `kernels` (Hugging Face's is installed with transformers 5.25)."""
     import subprocess
     import sys
 
