@@ -12,8 +12,22 @@ import site
 import subprocess
 import sys
 
-import torch
 from setuptools import setup
+
+try:
+    import torch
+except ModuleNotFoundError as e:
+    # pip's default isolated build environment has the build requirements only, and torch is
+    # deliberately not one (pyproject.toml): fetching a torch there would build the extension
+    # against a torch other than the one it will run with.
+    raise SystemExit(
+        f"fsdp_native build: torch cannot be imported here ({e}). fsdp_native's extension is compiled "
+        "against the torch already installed, and pip's default build isolation hides it (its build "
+        "environment holds only the build requirements; torch is deliberately not one). Build in your "
+        "environment instead: `pip install --no-build-isolation .` (editable: `pip install "
+        "--no-build-isolation -e .`; uv: `uv pip install --no-build-isolation .`), after installing "
+        "torch>=2.9,<2.16 if it is not there."
+    ) from e
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

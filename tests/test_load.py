@@ -1,5 +1,9 @@
-"""Importing fsdp_native without a usable compiled extension says how to rebuild it."""
+"""Importing fsdp_native without a usable compiled extension says how to rebuild it, and a build
+that cannot import torch says how to build."""
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,3 +27,18 @@ def test_missing_extension_raises_import_error_with_rebuild_command(monkeypatch)
     monkeypatch.setitem(sys.modules, "fsdp_native._C", None)
     with pytest.raises(ImportError, match=r"fsdp_native\._C could not be loaded .*make build"):
         load_extension()
+
+
+def test_build_without_torch_says_to_turn_off_build_isolation():
+    """pip's default isolated build cannot see the installed torch: setup.py stops with a message
+    saying how to build instead (ModuleNotFoundError: No module named 'torch' before), and names
+    the torch versions pyproject.toml requires."""
+    root = Path(__file__).resolve().parent.parent
+    blocked = "import sys, runpy; sys.modules['torch'] = None; sys.argv = ['setup.py', '--name']; runpy.run_path('setup.py')"
+    r = subprocess.run([sys.executable, "-c", blocked], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    spec = re.search(r'dependencies = \["torch([^"]*)"\]', (root / "pyproject.toml").read_text()).group(1)
+    assert r.stderr.startswith("fsdp_native build: torch cannot be imported here (import of torch halted"), r.stderr
+    assert "pip's default build isolation hides it" in r.stderr, r.stderr
+    assert "`pip install --no-build-isolation .`" in r.stderr, r.stderr
+    assert f"after installing torch{spec} if it is not there." in r.stderr, (spec, r.stderr)
