@@ -296,7 +296,7 @@ MP_POLICIES = {
 @dataclasses.dataclass
 class Cfg:
     model: str = "even"  # "even" | "odd" (dim 0 not divisible by world size)
-    mesh: str = "1d"  # "1d" | "hsdp" (2x2, world size 4)
+    mesh: str = "1d"  # "1d" | "hsdp" (2x2, world size 4) | "flat" | "hsdp_flat" (mesh_of)
     mp: str | None = None  # key of MP_POLICIES
     reshard: bool | int = True  # reshard_after_forward for every unit incl. root
     prefetch: bool = False  # explicit forward/backward prefetch
@@ -340,11 +340,22 @@ def make_mesh(cfg: Cfg):
 
 
 def mesh_of(kind: str):
-    """"1d": every rank in one shard group; "hsdp": 2 replicas x 2 shards (world size 4)."""
+    """"1d": every rank in one shard group; "hsdp": 2 replicas x 2 shards (world size 4).
+    "flat" and "hsdp_flat" (world size 4): the same two, with the shard dim a flattened one, as
+    Accelerate's ParallelismConfig and torchtitan build it for context parallelism: a root mesh
+    (dp_replicate, dp_shard, cp), dims ("dp_shard", "cp") flattened to "dp_shard_cp", and FSDP on
+    that dim ("flat": dp_shard 2 x cp 2) or on ("dp_replicate", "dp_shard_cp") ("hsdp_flat":
+    dp_replicate 2, dp_shard 1 x cp 2)."""
     ws = dist.get_world_size()
     if kind == "hsdp":
         assert ws == 4
         return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    if kind in ("flat", "hsdp_flat"):
+        assert ws == 4
+        shape = (1, 2, 2) if kind == "flat" else (2, 1, 2)
+        root = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+        flat = root["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return flat if kind == "flat" else root["dp_replicate", "dp_shard_cp"]
     return init_device_mesh("cpu", (ws,))
 
 

@@ -57,6 +57,9 @@ def check_parity(**kw) -> None:
         layout_a, layout_b = placements_of(model_a), placements_of(model_b)
         assert layout_a == layout_b, f"placements and local shapes differ from torch's: {layout_a} vs {layout_b}"
         assert any(f"Shard(dim={cfg.shard_dim % 2})" in v for v in layout_b.values()), layout_b
+    if cfg.mesh in ("flat", "hsdp_flat"):  # the parameters live on the flattened dim, as torch's do
+        names = {p.device_mesh.mesh_dim_names for m in (model_a, model_b) for p in m.parameters()}
+        assert names == {mesh.mesh_dim_names} and "dp_shard_cp" in mesh.mesh_dim_names, names
     init_a, init_b = full_params(model_a), full_params(model_b)
     # Same init on both sides (meta init: same seed; otherwise sharding preserves values).
     for n in init_b:
@@ -180,6 +183,9 @@ def _ws4_grid():
         dict(mesh="1d", model="odd", reshard=True, offload=True),
         dict(mesh="hsdp", shard_dim=1, model="odd", mp="bf16", accum=2),
         dict(mesh="1d", shard_dim=1, prefetch=True),
+        # FSDP on a flattened mesh dim (context parallelism's dp_shard_cp), 1-D and HSDP.
+        dict(mesh="flat", model="odd", mp="bf16", reshard=2, prefetch=True),
+        dict(mesh="hsdp_flat", model="even", mp="bf16", accum=2, clip=0.05),
     ]
     run_grid(configs, check_parity, name="ws4")
 

@@ -96,19 +96,27 @@ def _plan(sp: bool) -> dict:
     }
 
 
-def _mesh(hsdp: bool):
+def _mesh(hsdp: bool, flat: bool = False):
+    """(dp 2, tp 2); with `hsdp`, (rep 1, dp 2, tp 2). With `flat`, as torchtitan and Accelerate
+    build it for context parallelism: the data-parallel dim "dp" is dims (dp_shard 1, cp 2)
+    flattened."""
+    if flat:
+        root = init_device_mesh("cpu", (1, 1, 2, 2), mesh_dim_names=("rep", "dp_shard", "cp", "tp"))
+        root["dp_shard", "cp"]._flatten("dp")
+        return root
     if hsdp:
         return init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def _build(impl, sp: bool, hsdp: bool, mp: bool, seed: int = 0, raf=True, meta: bool = False, reuse: bool = False):
+def _build(impl, sp: bool, hsdp: bool, mp: bool, seed: int = 0, raf=True, meta: bool = False, reuse: bool = False,
+           flat: bool = False):
     """The model with the TP plan and fully_shard; with `meta`, as torchtitan: built on the meta
     device, parallelized and sharded there, then ``to_empty`` and initialised on the DTensors."""
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         model = Model(block=ReusedBlock if reuse else Block)
-    mesh = _mesh(hsdp)
+    mesh = _mesh(hsdp, flat)
     tp, dp = mesh["tp"], mesh["rep", "dp"] if hsdp else mesh["dp"]
     for b in model.blocks:
         parallelize_module(b, tp, _plan(sp))
@@ -164,7 +172,10 @@ def _train(model, dp_rank: int, steps: int = 3, accum: int = 1, sgd: bool = Fals
 
 
 def _locals(model) -> dict:
-    return {n: (p.to_local().detach().clone(), tuple(p.placements), tuple(p.shape)) for n, p in model.named_parameters()}
+    return {
+        n: (p.to_local().detach().clone(), tuple(p.placements), tuple(p.shape), p.device_mesh.mesh_dim_names)
+        for n, p in model.named_parameters()
+    }
 
 
 def _expected_local(full: torch.Tensor, p: DTensor) -> torch.Tensor:
@@ -180,19 +191,20 @@ def _expected_local(full: torch.Tensor, p: DTensor) -> torch.Tensor:
     return local
 
 
-def parity(sp: bool, mp: bool, hsdp: bool = False, accum: int = 1, meta: bool = False, reuse: bool = False) -> None:
+def parity(sp: bool, mp: bool, hsdp: bool = False, accum: int = 1, meta: bool = False, reuse: bool = False,
+           flat: bool = False) -> None:
     impl = load_impl()
-    what = f"[{impl.name}] sp={sp} mp={mp} hsdp={hsdp} accum={accum} meta={meta} reuse={reuse}"
-    got_model, mesh = _build(impl, sp, hsdp, mp, meta=meta, reuse=reuse)
-    dp_rank = mesh.get_local_rank("dp")
+    what = f"[{impl.name}] sp={sp} mp={mp} hsdp={hsdp} accum={accum} meta={meta} reuse={reuse} flat={flat}"
+    got_model, mesh = _build(impl, sp, hsdp, mp, meta=meta, reuse=reuse, flat=flat)
+    dp_rank = mesh["dp"].get_local_rank()
     got = _train(got_model, dp_rank, accum=accum)
-    ref_model, _ = _build(ref_impl(), sp, hsdp, mp, meta=meta, reuse=reuse)
+    ref_model, _ = _build(ref_impl(), sp, hsdp, mp, meta=meta, reuse=reuse, flat=flat)
     ref = _train(ref_model, dp_rank, accum=accum)
     assert_close(f"{what}: losses", got, ref, dict(rtol=0, atol=0))
     a, b = _locals(got_model), _locals(ref_model)
     assert a.keys() == b.keys()
     for n in b:
-        assert a[n][1:] == b[n][1:], f"{what}: {n}: placements, shape {a[n][1:]} vs torch's {b[n][1:]}"
+        assert a[n][1:] == b[n][1:], f"{what}: {n}: placements, shape, mesh dims {a[n][1:]} vs torch's {b[n][1:]}"
         assert_close(f"{what}: {n}", a[n][0], b[n][0], dict(rtol=0, atol=0))
     if not any(type(pl).__name__ == "_StridedShard" for n in a for pl in a[n][1]):
         raise AssertionError(f"{what}: no parameter got a _StridedShard placement")
@@ -203,6 +215,7 @@ def parity_grid() -> None:
     more = [dict(sp=False, mp=True, accum=2), dict(sp=True, mp=True, accum=2), dict(sp=True, mp=False, hsdp=True)]
     more.append(dict(sp=True, mp=True, meta=True))
     more += [dict(sp=False, mp=True, reuse=True), dict(sp=True, mp=True, accum=2, reuse=True)]
+    more += [dict(sp=True, mp=True, hsdp=True, flat=True), dict(sp=False, mp=True, accum=2, flat=True)]
     run_grid(configs + more, parity, "tp")
 
 
