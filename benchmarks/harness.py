@@ -186,7 +186,7 @@ class Trainer:
 
 
 def quiet_warnings() -> None:
-    # torch FSDP2 warns on every step that the root returns a view (the output Linear on 3-D input).
+    # torch FSDP2 and fsdp_native warn that the root returns a view (the output Linear on 3-D input).
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*", category=FutureWarning)
 

@@ -550,7 +550,7 @@ def _hook_outputs(unit: Unit, output) -> None:
     for t in (output,) if type(output) is torch.Tensor else _tree.tensors(output):
         if t.requires_grad:
             if t._base is not None:
-                _warn_view_output(unit, t)
+                _warn_view_output(unit)
             t.register_hook(hook)
         if dual:
             tangent = _forward_ad.unpack_dual(t).tangent
@@ -558,14 +558,16 @@ def _hook_outputs(unit: Unit, output) -> None:
                 tangent.register_hook(hook)
 
 
-def _warn_view_output(unit: Unit, t: torch.Tensor) -> None:
+def _warn_view_output(unit: Unit) -> None:
     """An in-place op on a view gives the view a new autograd node: the hook registered on the
     old one never runs, so the unit's backward starts without its all-gather (torch FSDP2 warns
-    of the same since torch 2.13)."""
+    of the same since torch 2.13). The text names no shape, so that Python's default filter shows
+    it once per unit however the batch shapes vary, and it holds torch's "returned a view tensor",
+    so that a filter written for torch's warning covers it too."""
     names = ", ".join(type(m).__name__ for m in unit.modules) or "?"
     warnings.warn(
         f"fully_shard: the forward of unit '{unit.fqn or 'root'}' ({names}) returned a view "
-        f"(shape {tuple(t.shape)}) that requires grad. An in-place op on it (`out += y`) drops the "
+        "tensor that requires grad. An in-place op on it (`out += y`) drops the "
         "unit's pre-backward hook, so the unit's backward runs without its all-gather: with "
         "reshard_after_forward it fails. Use an out-of-place op (`out = out + y`) or return a "
         "`.clone()`.",

@@ -309,7 +309,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # torch FSDP2, on the logits
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # torch FSDP2 and fsdp_native, on the logits
     # c10d's renamed collectives (all_gather_into_tensor -> all_gather_single, ...), once per process
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*", category=FutureWarning)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -35,6 +35,7 @@ of the ranks' losses, within 1e-6 (Muon: within 1e-2, 2e-2 before torch 2.11, as
 run in bf16)."""
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -95,7 +96,7 @@ def _model(flow: str = "") -> DropStack:
 
 
 VIEW_WARNING = (
-    "fully_shard: the forward of unit 'blocks.{i}' (FSDPSliceOut) returned a view (shape (4, 4)) that requires "
+    "fully_shard: the forward of unit 'blocks.{i}' (FSDPSliceOut) returned a view tensor that requires "
     "grad. An in-place op on it (`out += y`) drops the unit's pre-backward hook, so the unit's backward runs "
     "without its all-gather: with reshard_after_forward it fails. Use an out-of-place op (`out = out + y`) or "
     "return a `.clone()`."
@@ -239,6 +240,30 @@ def _check() -> None:
 
 def test_training_flows_match_torch_and_unsharded():
     run_distributed(_check, 2)
+
+
+def _view_warning_once_per_unit() -> None:
+    """Under Python's default filter the view-output warning shows once per unit, however the
+    batch shapes vary (its text names no shape), and a filter written for torch FSDP2's warning
+    ("returned a view tensor") silences it."""
+    model = shard_stack(load_impl(), _model("inplace_view"), reshard_after_forward=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        for rows in (4, 3, 5, 4):
+            model(torch.randn(rows, 4)).pow(2).mean().backward()
+    got = [str(w.message) for w in seen if "returned a view" in str(w.message)]
+    assert got == [VIEW_WARNING.format(i=i) for i in range(3)], got
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+    assert not [w for w in seen if "returned a view" in str(w.message)], [str(w.message) for w in seen]
+
+
+def test_view_output_warning_once_per_unit():
+    if load_impl().name != "fsdp_native":
+        pytest.skip("fsdp_native's warning text")
+    run_distributed(_view_warning_once_per_unit, 2)
 
 
 # --------------------------------------------------------------------------------------------
