@@ -1,8 +1,10 @@
-"""Importing fsdp_native without a usable compiled extension says how to rebuild it, and a build
-that cannot import torch says how to build."""
+"""Importing fsdp_native without a usable compiled extension says how to rebuild it, a build
+that cannot import torch says how to build, and the source distribution holds what its build
+needs."""
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -42,3 +44,27 @@ def test_build_without_torch_says_to_turn_off_build_isolation():
     assert "pip's default build isolation hides it" in r.stderr, r.stderr
     assert "`pip install --no-build-isolation .`" in r.stderr, r.stderr
     assert f"after installing torch{spec} if it is not there." in r.stderr, (spec, r.stderr)
+
+
+def test_sdist_holds_every_source_the_build_needs(tmp_path):
+    """The source distribution (`setup.py sdist`; `python -m build` makes the same) holds every
+    C++ / CUDA source and header and every Python file of the packages. Before 2026-12-07 it held
+    the .cpp files setup.py lists and nothing else (no header; no .cu, which a CPU torch's build
+    does not list), so installing it failed on `checks.h: No such file or directory`."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path), "sdist", "--dist-dir", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (sdist,) = tmp_path.glob("fsdp_native-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        held = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    sources = {".h", ".cuh", ".cu", ".cpp", ".py"}
+    needed = {
+        p.relative_to(root).as_posix()
+        for d in ("csrc", "kernels", "fsdp_native")
+        for p in (root / d).rglob("*")
+        if p.is_file() and p.suffix in sources
+    }
+    assert {"csrc/checks.h", "csrc/cuda/packing_cuda.cu", "kernels/quant.py", "fsdp_native/_unit.py"} <= needed
+    assert needed - held == set(), sorted(needed - held)
+    assert {"setup.py", "pyproject.toml", "README.md"} <= held
