@@ -739,13 +739,26 @@ def torch_quantized_values(modules, fmt: str, shard_ws: int, quantized: Callable
     ``quantized_unsharded`` of their step's full-precision values. Returns the function that
     takes those values from the sharded parameters (and returns how many); call it before
     each step."""
+    from torch.distributed.fsdp import FSDPModule
+
     _install_torch_quantized_values()
     owners = [(m, n) for mod in modules for m in mod.modules() for n, p in m.named_parameters(recurse=False) if quantized(p)]
 
     def refresh() -> int:
+        # A unit left unsharded (reshard_after_forward=False after a forward under no_grad) has
+        # its unsharded tensor, which holds the quantized values, registered: take the values
+        # from its sharded parameter (quantizing those again made the next all-gather's values
+        # one bf16 ulp off: the fuzzing, 2026-12-07, with FSDP_FUZZ_EXACT_BF16=1).
+        sharded = {}
+        for mod in modules:
+            for m in mod.modules():
+                state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
+                groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+                for fp in (fp for g in groups if g is not None for fp in g.fsdp_params):
+                    sharded[(fp._module_info.module, fp._module_info.param_name)] = fp.sharded_param
         _TORCH_QUANT_VALUES.clear()
         for m, n in owners:
-            _TORCH_QUANT_VALUES[(m, n)] = (full(getattr(m, n)), fmt, shard_ws)
+            _TORCH_QUANT_VALUES[(m, n)] = (full(sharded.get((m, n), getattr(m, n))), fmt, shard_ws)
         return len(owners)
 
     _TORCH_QUANT_VALUES.clear()
