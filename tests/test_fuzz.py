@@ -747,41 +747,30 @@ def test_zero_size_root_unit_and_embedding_without_backward_unshard():
 # twice per forward, with bf16 parameters, fp32 reduction and accumulation (found at world
 # size 4, HSDP): torch FSDP2 reduce-scatters in two parts there (`split_reduction`), so the two
 # agree within tolerance.
-QUANT_EVAL = Spec(
+QUANT_EVAL = dataclasses.replace(
+    ZERO_ROOT,
     width=2,
-    vocab=1,
-    blocks=(
-        BlockSpec(hidden=2, norm=False, placement="none", reshard=True),
-        BlockSpec(hidden=1, norm=False, placement="none", reshard=True),
-        BlockSpec(hidden=1, norm=False, placement="none", reshard=True),
-    ),
-    tied=False,
-    shared=False,
+    blocks=tuple(BlockSpec(hidden=h, norm=False, placement="none", reshard=True) for h in (2, 1, 1)),
     zero_param=None,
-    frozen=(),
     head="root",
-    head_reshard=True,
     root_reshard=False,
     mp="bf16",
     accum=2,
+    emb="root",
+    emb_reshard=None,
     quant="fp8_rowwise",
     eval_between=True,
 )
 
 
-SPLIT = Spec(
-    width=2,
+SPLIT = dataclasses.replace(
+    QUANT_EVAL,
     vocab=2,
     blocks=(BlockSpec(hidden=1, norm=False, placement="unit", reshard=True),),
-    tied=False,
     shared=True,
-    zero_param=None,
-    frozen=(),
-    head="root",
-    head_reshard=True,
     root_reshard=True,
-    mp="bf16",
-    accum=2,
+    quant=None,
+    eval_between=False,
     mesh="hsdp",
     convert="bf16",
 )
@@ -791,11 +780,5 @@ def test_exact_bf16_regressions():
     if load_impl().name != "fsdp_native":
         pytest.skip("fsdp_native's quantized all-gather")
     assert split_reduction(SPLIT) and not split_reduction(QUANT_EVAL)
-    run_distributed(_exact_grid, 2, [QUANT_EVAL], timeout=180)
-    run_distributed(_exact_grid, 4, [SPLIT], timeout=180)
-
-
-def _exact_grid(specs: list) -> None:
-    global EXACT_BF16
-    EXACT_BF16 = True
-    run_grid([dict(spec=s) for s in specs], compare, name="fuzz regression")
+    run_distributed(_exact, 2, QUANT_EVAL, timeout=180)
+    run_distributed(_exact, 4, SPLIT, timeout=180)
