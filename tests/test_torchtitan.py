@@ -21,11 +21,21 @@ flex attention (no backward on CPU) is swapped for SDPA, as torchtitan's own gra
 tests do. torch FSDP2 on gloo gets ``set_force_sum_reduction_for_comms(True)`` (with gradient
 division off it would use ``PREMUL_SUM``, which gloo lacks; the sums are the same).
 
+torchtitan's Qwen3 MoE debug model (4 ranks, ``partial_dtensor``) takes the same path with its
+expert-parallel branch of ``apply_fsdp_to_decoder``: experts on ``Shard(1)`` where there are
+fewer of them than FSDP x EP ranks, and with expert parallelism a ``shard_placement_fn`` that
+returns torch's ``ShardPlacementResult`` naming the ``efsdp`` mesh (torch 2.13+), plus its
+explicit prefetch; tokens reach the experts through its all-to-all dispatcher, and
+``clip_grad_norm_`` runs its expert-parallel branch. (Its ``full_dtensor`` backend with expert
+parallelism fails in torch FSDP2 itself on torch 2.13: "Expected param's DTensor mesh to be
+the same mesh passed to fully_shard".)
+
 Losses, gradient norms, placements and every parameter after 3 steps: bit for bit.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -61,23 +71,44 @@ def _cpu_device() -> None:
     tt_utils.device_type = tt_dims.device_type = "cpu"
 
 
-def _train(impl, backend: str) -> dict:
+def _config(model: str, experts: int):
+    """torchtitan's debug config of `model`, cut to 2 blocks; a MoE's experts cut to `experts`."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    if model == "llama3":
+        from torchtitan.models.llama3 import model_registry
+        from torchtitan.models.llama3.config_registry import llama3_debugmodel as debug_config
+
+        cfg, spec = debug_config(), model_registry("debugmodel")
+    else:
+        from torchtitan.models.qwen3 import model_registry
+        from torchtitan.models.qwen3.config_registry import qwen3_moe_debug as debug_config
+
+        cfg, spec = debug_config(), model_registry("debugmodel_moe")
+    cfg.model_spec = spec
+    spec.model.layers = spec.model.layers[:2]
+    for layer in spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()  # see the module docstring
+        moe = getattr(layer, "moe", None)
+        if moe is not None and experts:
+            moe.num_experts = moe.router.num_experts = moe.router.gate.out_features = experts
+            moe.routed_experts.inner_experts.num_experts = moe.routed_experts.token_dispatcher.num_experts = experts
+            moe.router.top_k = moe.routed_experts.token_dispatcher.top_k = min(experts, 2)
+    return cfg, spec
+
+
+def _train(impl, backend: str, model: str = "llama3", ep: int = 1, replicate: int = 1, experts: int = 0) -> dict:
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed import full_dtensor
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     _cpu_device()
     ws = dist.get_world_size()
-    cfg = llama3_debugmodel()
-    cfg.model_spec = spec = model_registry("debugmodel")
-    spec.model.layers = spec.model.layers[:2]
-    for layer in spec.model.layers:  # torchtitan's graph-trainer tests' SDPA swap
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    cfg, spec = _config(model, experts)
     cfg.training.seq_len, cfg.training.local_batch_size = SEQ, BATCH
-    cfg.parallelism.data_parallel_shard_degree = ws
+    cfg.parallelism.data_parallel_replicate_degree = replicate
+    cfg.parallelism.data_parallel_shard_degree = ws // replicate
+    cfg.parallelism.expert_parallel_degree = ep
     cfg.parallelism.spmd_backend = backend
     dist_utils.set_spmd_backend(backend)
     spec.model.update_from_config(config=cfg)
@@ -98,6 +129,9 @@ def _train(impl, backend: str) -> dict:
     units = [m for m in model.modules() if isinstance(m, impl.FSDPModule)]
     # the embedding, 2 blocks, norm and lm_head (one unit of two modules) and the root
     assert len(units) == 6, f"{impl.name}: {len(units)} modules sharded"
+    if ep > 1:  # the experts' own mesh: fsdp_native took torchtitan's per-parameter placements
+        experts_w = model.layers["0"].moe.routed_experts.inner_experts.w1_EFD
+        assert experts_w.device_mesh.mesh_dim_names[-2:] == ("efsdp", "ep"), f"{impl.name}: {experts_w.device_mesh}"
     if impl.name == "torch":
         for m in units:
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
@@ -124,7 +158,9 @@ def _train(impl, backend: str) -> dict:
         pred = model(inputs, **extra)
         loss, _ = loss_fn(pred, labels, global_tokens, positions=extra["positions"])
         loss.backward()
-        norm = dist_utils.clip_grad_norm_(list(model.parameters()), cfg.training.max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
+        norm = dist_utils.clip_grad_norm_(
+            list(model.parameters()), cfg.training.max_norm, foreach=True, pp_mesh=None, ep_enabled=ep > 1
+        )
         optimizers.step()
         schedulers.step()
         losses.append(loss.item())
@@ -132,10 +168,10 @@ def _train(impl, backend: str) -> dict:
     return dict(losses=losses, norms=norms, params=full_params(model), placements=placements_of(model))
 
 
-def _check(backend: str) -> None:
+def _check(backend: str, **moe) -> None:
     impl = load_impl()
-    ref, got = _train(ref_impl(), backend), _train(impl, backend)
-    assert_same_run(f"[{impl.name} vs torch, torchtitan {backend}]", got, ref)
+    ref, got = _train(ref_impl(), backend, **moe), _train(impl, backend, **moe)
+    assert_same_run(f"[{impl.name} vs torch, torchtitan {backend} {moe}]", got, ref)
 
 
 def _grid() -> None:
@@ -144,3 +180,25 @@ def _grid() -> None:
 
 def test_torchtitan_llama3_parallelize_and_train_step_match_torch():
     run_distributed(_grid, 2)
+
+
+def _moe_grid() -> None:
+    moe = dict(backend="partial_dtensor", model="qwen3_moe", experts=2)
+    run_grid(
+        [
+            dict(moe, experts=8),  # 8 experts over 4 ranks: Shard(0), as dense parameters
+            dict(moe),  # 2 experts over 4 ranks: torchtitan puts them on Shard(1)
+            dict(moe, ep=2),  # experts on (efsdp 2, ep 2), the rest on fsdp 4; Shard(1) again
+            dict(moe, ep=2, replicate=2, experts=4),  # HSDP 2 x 2; experts on (dp_replicate, efsdp 1, ep 2)
+        ],
+        _check,
+        name="torchtitan MoE",
+    )
+
+
+@pytest.mark.skipif(
+    not hasattr(importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_common"), "ShardPlacementResult"),
+    reason="torchtitan's expert parallelism needs torch FSDP2's per-parameter mesh (torch 2.13+)",
+)
+def test_torchtitan_qwen3_moe_expert_parallel_matches_torch():
+    run_distributed(_moe_grid, 4)
