@@ -152,6 +152,9 @@ class Unit:
         self.spmd = spmd  # dp_mesh_dims: every parameter a DTensor on this full mesh (_tp.Spmd)
         if param_dtypes is None:
             param_dtypes = [mp.param_dtype] * len(params)
+        # Each parameter's position in the order fully_shard found them (torch FSDP2's order):
+        # a later layout starts again from it (:meth:`_relayout`).
+        self.registration = list(range(len(params)))
         order = itemsize_order(params, param_dtypes)
         if order is not None:
             params, param_dtypes = self._reorder(order, params, param_dtypes)
@@ -198,6 +201,7 @@ class Unit:
         """Puts the unit's parameters in `order` (:func:`itemsize_order`): its owners and shard
         dims, and `lists` (per parameter), returned reordered."""
         self.owners = [self.owners[i] for i in order]
+        self.registration = [self.registration[i] for i in order]
         self.shard_dims = [self.shard_dims[i] for i in order]
         self.tp_specs = [self.tp_specs[i] for i in order]
         return [[seq[i] for i in order] for seq in lists]
@@ -487,12 +491,18 @@ class Unit:
         self._drop_unsharded()
         # What the layout reads of a parameter (global shape, dtype, requires_grad), without its data.
         specs = [torch.empty(s, dtype=p.dtype, device="meta").requires_grad_(p.requires_grad) for s, p in zip(self.layout.shapes, params)]
+        # From fully_shard's order, not the current one: a conversion of one module at a time
+        # (``model.to(torch.bfloat16)``) passes through mixed dtypes, whose itemsize order
+        # would otherwise stay once the dtypes agree again, and with it another packing of the
+        # reduce-scatter than torch FSDP2's (gloo then sums in another order at 4 ranks).
+        back = sorted(range(len(params)), key=self.registration.__getitem__)
+        params, specs, ext = self._reorder(back, params, specs, ext)
         names = [name for (_, name), *_ in self.owners]
         requested = resolve_param_dtypes(self.mp, params, names)
         order = itemsize_order(specs, requested)
         if order is not None:
             params, specs, ext, requested = self._reorder(order, params, specs, ext, requested)
-            self._build_slots()
+        self._build_slots()
         self._configure(specs, requested, ext)
         self._accumulated = self._pending_grads = None
         self._pf_shard = self._pf_keep = None

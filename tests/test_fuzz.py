@@ -144,6 +144,9 @@ class Spec:
     keep_zero_grads: bool = False
     all_reduce_last: bool = False
     unshard_first: str | None = None  # None | "sync" | "async"
+    # forward calls per micro-batch, their losses summed before one backward: the whole model
+    # run on two batches (two-view and contrastive losses, DPO's chosen and rejected batches)
+    forwards: int = 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,13 +324,15 @@ def train(model: Net, spec: Spec) -> dict:
                     model.set_reshard_after_backward(micro == spec.accum - 1)
             if spec.all_reduce_last:
                 model.set_requires_all_reduce(micro == spec.accum - 1)
-            tokens = torch.randint(spec.vocab, (2, 3), generator=g)
-            target = torch.randn(2, 3, spec.vocab, generator=g)
-            if spec.unshard_first == "sync":
-                model.unshard()
-            elif spec.unshard_first == "async":
-                model.unshard(async_op=True)  # its pre-forward waits
-            loss = (model(tokens).float() - target).pow(2).mean()
+            loss = 0
+            for _ in range(spec.forwards):
+                tokens = torch.randint(spec.vocab, (2, 3), generator=g)
+                target = torch.randn(2, 3, spec.vocab, generator=g)
+                if spec.unshard_first == "sync":
+                    model.unshard()
+                elif spec.unshard_first == "async":
+                    model.unshard(async_op=True)  # its pre-forward waits
+                loss = loss + (model(tokens).float() - target).pow(2).mean()
             loss.backward()
             losses.append(loss.item())
         if finalize == "titan":
@@ -431,9 +436,11 @@ def specs(draw, world_size: int = 2) -> Spec:
     # torch FSDP2 raises (IndexError) for a dim other than 0 with reshard_after_forward=2 of 4
     reshard_2 = any(r == 2 and r is not True for r in [b.reshard for b in blocks] + [spec.head_reshard, spec.root_reshard])
     shard_dim = draw(st.sampled_from([None, 1, -1])) if not reshard_2 else None
-    # "titan" reduces each unit once per step; torch's automatic flow reduces a shared block
-    # once per use in its synced backward, which rounds otherwise.
-    finalize = draw(st.sampled_from([None, "stage"] + ([] if spec.shared else ["titan"]))) if NATIVE else None
+    forwards = draw(st.sampled_from([1, 1, 2]))
+    # "titan" reduces each unit once per step; torch's automatic flow reduces a shared block, or
+    # every unit of a model run twice per micro-batch, once per use in its synced backward,
+    # which rounds otherwise.
+    finalize = draw(st.sampled_from([None, "stage"] + ([] if spec.shared or forwards > 1 else ["titan"]))) if NATIVE else None
     keep_storage = NATIVE and draw(st.booleans())
     any_int = any(type(r) is int for r in [b.reshard for b in blocks] + [spec.head_reshard, spec.root_reshard, spec.emb_reshard])
     eval_after = draw(st.sampled_from([None, "reshard"] + ([] if any_int else ["keep"])))
@@ -453,6 +460,7 @@ def specs(draw, world_size: int = 2) -> Spec:
         keep_zero_grads=draw(st.booleans()),
         all_reduce_last=mesh == "hsdp" and accum > 1 and finalize != "titan" and draw(st.booleans()),
         unshard_first=draw(st.sampled_from([None, "sync", "async"])),
+        forwards=forwards,
     )
     trainable = [n for n in names if n not in frozen]
     # At least one parameter stays trainable: with none, the loss has no graph and backward
@@ -480,7 +488,8 @@ def _mesh(spec: Spec):
 
 
 def split_reduction(spec: Spec) -> bool:
-    """torch FSDP2 runs a unit's post-backward once per forward call. For a module run twice,
+    """torch FSDP2 runs a unit's post-backward once per forward call. For a module run twice
+    (a shared block, or the whole model run twice before one backward),
     the first call comes before autograd has added the module's parameter gradients, so in the
     synced micro-batch it reduce-scatters the gradients accumulated without sync alone, and the
     second call reduce-scatters this micro-batch's gradients and adds them to the sharded ones:
@@ -488,7 +497,7 @@ def split_reduction(spec: Spec) -> bool:
     bf16-rounded parts. fsdp_native reduces once per backward, the accumulation and this
     micro-batch's gradients summed in fp32 and rounded once (fuzzing, 2026-12-07: within a
     bf16 ulp of torch's; the default tolerance holds)."""
-    return spec.shared and spec.accum > 1 and spec.convert == "bf16" and spec.mp == "bf16"
+    return (spec.shared or spec.forwards > 1) and spec.accum > 1 and spec.convert == "bf16" and spec.mp == "bf16"
 
 
 def compare(spec: Spec) -> None:
@@ -782,3 +791,28 @@ def test_exact_bf16_regressions():
     assert split_reduction(SPLIT) and not split_reduction(QUANT_EVAL)
     run_distributed(_exact, 2, QUANT_EVAL, timeout=180)
     run_distributed(_exact, 4, SPLIT, timeout=180)
+
+
+# Found on 2026-12-07 (seed 31337, FSDP_FUZZ_EXACT_BF16=1, world size 4): a unit of two modules,
+# `fully_shard([fc1, fc2])`, then `model.to(torch.bfloat16)`. The conversion reaches fc1 first,
+# so for a moment the unit holds bf16 and fp32 parameters, which fsdp_native lays out largest
+# element first: fc2, then fc1. That order stayed once both were bf16, so the unit packed its
+# reduce-scatter input fc2 first where torch FSDP2 packs fc1 first, and gloo's all-reduce
+# over 4 ranks summed some elements in another order: blocks.1.fc2.weight one bf16 ulp off
+# after 2 steps. A unit laid out again now starts from fully_shard's order (Unit.registration).
+CONVERTED_LIST = dataclasses.replace(
+    FROZEN_UNIT,
+    width=3,
+    vocab=1,
+    blocks=tuple(BlockSpec(hidden=h, norm=False, placement=p, reshard=True) for h, p in ((1, "none"), (2, "list"), (1, "none"))),
+    tied=True,
+    frozen=(),
+    head="root",
+    mp="fp32",
+    head_fp32=False,
+    convert="bf16",
+)
+
+
+def test_converted_unit_packs_its_reduction_like_torch():
+    run_distributed(_exact, 4, CONVERTED_LIST, timeout=180)
