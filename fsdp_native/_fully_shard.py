@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ def fully_shard(
     modules = module if isinstance(module, list) else [module]
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard: argument 'module' is a {type(m).__name__}, expected an nn.Module or a list of them")
+            raise TypeError(f"fully_shard: argument 'module' must be an nn.Module or a list of them, got {type(m).__name__}")
     if isinstance(module, list) and not module:
         raise ValueError("fully_shard: argument 'module' is an empty list, expected at least one module")
     for m in modules:
@@ -86,6 +86,12 @@ def fully_shard(
         raise TypeError(
             f"fully_shard: argument 'reshard_after_forward' must be a bool or an int, got {type(reshard_after_forward).__name__}"
         )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            "fully_shard: argument 'shard_placement_fn' must be a function of a parameter returning None or a "
+            f"Shard placement, or None, got {type(shard_placement_fn).__name__}"
+        )
+    _check_ignored_params(ignored_params)
     mesh = mesh if mesh is not None else default_mesh()
     spmd = None
     if dp_mesh_dims is not None:
@@ -199,6 +205,23 @@ def _eager_hooks():
     trace. Made at the first fully_shard, which imports torch._dynamo (as torch's first hook
     does), so that importing fsdp_native does not."""
     return _eager(_pre_hook), _eager(_post_hook)
+
+
+def _check_ignored_params(ignored_params) -> None:
+    """`ignored_params` holds parameters: a name, or a lone tensor (iterated by rows), would
+    leave every parameter sharded without a word (torch FSDP2 takes such values silently too)."""
+    if ignored_params is None:
+        return
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
+        raise TypeError(
+            f"fully_shard: argument 'ignored_params' must be a set of parameters or None, got {type(ignored_params).__name__}"
+        )
+    for p in ignored_params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"fully_shard: argument 'ignored_params' holds {p!r} ({type(p).__name__}), expected the parameters "
+                "themselves (module.weight, not its name)"
+            )
 
 
 def _check_all_gather(policy) -> None:

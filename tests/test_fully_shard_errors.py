@@ -34,6 +34,10 @@ ValueError = bad value, TypeError = wrong type, NotImplementedError = valid but 
                                               'scale'; FSDP shards dim 0, make it a 1-D tensor of size 1"
   container without forward      ValueError   "fully_shard: argument 'module' is a ModuleList, a container
                                               without forward; shard its children instead"
+  module of the wrong type       TypeError    (exact messages in case() below, as for the next two)
+  shard_placement_fn=Shard(0)    TypeError    (torch: "'Shard' object is not callable")
+  ignored_params of names, or    TypeError    (torch ignores nothing then, without a word)
+  of one parameter
   forward with meta parameters   RuntimeError (at forward, every rank) "... 'layers.0.weight' ... still on the
                                               meta device; call module.to_empty(...) and initialise them ..."
   shard_placement_fn: Shard(2)   ValueError   (exact messages in case() below; torch raises AssertionError)
@@ -172,6 +176,35 @@ def case(name):
         _expect(ValueError, r"scalar", lambda: fs(_ScalarParam(), mesh=mesh), "scale")
     elif name == "container_without_forward":
         _expect(ValueError, r"ModuleList", lambda: fs(nn.ModuleList([nn.Linear(4, 4)]), mesh=mesh))
+    elif name == "module_wrong_type":
+        raises_exactly(
+            TypeError, "fully_shard: argument 'module' must be an nn.Module or a list of them, got int", lambda: fs(3, mesh=mesh)
+        )
+    elif name == "shard_placement_fn_not_callable":
+        m = MLPStack()
+        raises_exactly(
+            TypeError,
+            "fully_shard: argument 'shard_placement_fn' must be a function of a parameter returning None or a Shard "
+            "placement, or None, got Shard",
+            lambda: fs(m, mesh=mesh, shard_placement_fn=Shard(0)),
+        )
+        assert not any(isinstance(p, DTensor) for p in m.parameters()), "a refused fully_shard must leave the module as it was"
+    elif name == "ignored_params_wrong_type":
+        m = MLPStack()
+        raises_exactly(
+            TypeError,
+            "fully_shard: argument 'ignored_params' holds 'layers.0.weight' (str), expected the parameters themselves "
+            "(module.weight, not its name)",
+            lambda: fs(m, mesh=mesh, ignored_params={"layers.0.weight"}),
+        )
+        raises_exactly(
+            TypeError,
+            "fully_shard: argument 'ignored_params' must be a set of parameters or None, got Parameter",
+            lambda: fs(m, mesh=mesh, ignored_params=m.layers[0].weight),
+        )
+        assert not any(isinstance(p, DTensor) for p in m.parameters()), "a refused fully_shard must leave the module as it was"
+        fs(m, mesh=mesh, ignored_params=[m.layers[0].weight])  # any iterable of parameters, as a set
+        assert not isinstance(m.layers[0].weight, DTensor) and isinstance(m.layers[1].weight, DTensor)
     elif name == "shard_placement_bad_dim":
         raises_exactly(
             ValueError,
@@ -274,6 +307,9 @@ CASES = [
     "reshard_after_forward_wrong_type",
     "scalar_param",
     "container_without_forward",
+    "module_wrong_type",
+    "shard_placement_fn_not_callable",
+    "ignored_params_wrong_type",
     "forward_with_meta_params",
     "shard_placement_bad_dim",
     "shard_placement_not_shard",
