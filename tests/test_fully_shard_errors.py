@@ -36,7 +36,7 @@ ValueError = bad value, TypeError = wrong type, NotImplementedError = valid but 
                                               without forward; shard its children instead"
   module of the wrong type       TypeError    (exact messages in case() below, as for the next two)
   shard_placement_fn=Shard(0)    TypeError    (torch: "'Shard' object is not callable")
-  ignored_params of names, or    TypeError    (torch ignores nothing then, without a word)
+  ignored_params of names, or    TypeError    (torch: names ignore nothing, without a word)
   of one parameter
   forward with meta parameters   RuntimeError (at forward, every rank) "... 'layers.0.weight' ... still on the
                                               meta device; call module.to_empty(...) and initialise them ..."
