@@ -365,6 +365,7 @@ def train(model: Net, spec: Spec) -> dict:
         if spec.eval_between and (step < spec.steps - 1 or spec.eval_after is not None):
             if refresh is not None:  # the reference's quantized values of the updated parameters
                 refresh()
+            _reshard_reference(model)
             if spec.eval_after == "keep":
                 for m, _ in model._fuzz_units:
                     m.set_reshard_after_forward(False, recurse=False)
@@ -375,15 +376,20 @@ def train(model: Net, spec: Spec) -> dict:
                     m.reshard()
                     if spec.eval_after == "keep":  # None: the root keeps its parameters, the others do not
                         m.set_reshard_after_forward(raf if raf is not None else m is not model, recurse=False)
+    _reshard_reference(model)
+    return {"losses": losses, "params": full_params(model)}
+
+
+def _reshard_reference(model: Net) -> None:
+    """torch FSDP2 can leave a unit unsharded after the backward, its unsharded parameters
+    registered and holding the values from before the optimizer step: a unit whose parameters
+    were all frozen after the first step, in a block run twice under activation checkpointing
+    (seed 8080, STALE_FROZEN_UNIT below). A validation forward under no_grad then computes with
+    those values, and model.parameters() reads them (its next training forward gathers again).
+    The reference is resharded before either; fsdp_native is not."""
     if model._fuzz_reference:
-        # torch FSDP2 can leave a unit unsharded after the backward, its unsharded parameters
-        # registered, so they read as the values from before the optimizer step (a unit whose
-        # parameters were all frozen after the first step, in a block run twice under
-        # activation checkpointing: seed 8080, STALE_FROZEN_UNIT below). Its next forward
-        # gathers again, so it trains right; the reference is read after a reshard.
         for m, _ in model._fuzz_units:
             m.reshard()
-    return {"losses": losses, "params": full_params(model)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -832,8 +838,10 @@ CONVERTED_LIST = dataclasses.replace(
 # second backward torch leaves that unit unsharded, with its unsharded parameters registered,
 # so model.parameters() reads the bias from before the optimizer step (the optimizer updates
 # the sharded one: zero gradients, kept by zero_grad(set_to_none=False), still move it through
-# AdamW's momentum and weight decay). fsdp_native reshards the unit: its registered parameters
-# are the updated sharded ones. Both train the same (the next forward gathers again).
+# AdamW's momentum and weight decay), and a validation forward under no_grad computes with it
+# (the example again with width 3 and a validation forward after each step: its last loss
+# differs). fsdp_native reshards the unit: its registered parameters are the updated sharded
+# ones. Both train the same (torch's next training forward gathers again).
 STALE_FROZEN_UNIT = dataclasses.replace(
     FROZEN_UNIT,
     vocab=1,
@@ -854,6 +862,7 @@ STALE_FROZEN_UNIT = dataclasses.replace(
 def _stale_frozen_unit() -> None:
     spec = STALE_FROZEN_UNIT
     compare(spec)
+    compare(dataclasses.replace(spec, width=3, eval_between=True, eval_after="reshard"))
     model = build(load_impl(), spec, _mesh(spec))
     train(model, dataclasses.replace(spec, steps=2))
     fc1 = model.blocks[0].fc1
