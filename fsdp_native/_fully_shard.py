@@ -91,7 +91,7 @@ def fully_shard(
             "fully_shard: argument 'shard_placement_fn' must be a function of a parameter returning None or a "
             f"Shard placement, or None, got {type(shard_placement_fn).__name__}"
         )
-    _check_ignored_params(ignored_params)
+    ignored = _ignored_set(ignored_params)
     mesh = mesh if mesh is not None else default_mesh()
     spmd = None
     if dp_mesh_dims is not None:
@@ -112,7 +112,6 @@ def fully_shard(
                 f"fully_shard: argument 'module' ({type(m).__name__}) is already sharded by torch's "
                 "torch.distributed.fsdp.fully_shard; a module can be sharded by one of the two libraries only"
             )
-    ignored = set(ignored_params or ())
     params, owners = _collect_params(modules, ignored)
     names = _param_names(modules, params)
     _check_not_sharded(modules, params, owners, names, info, spmd)
@@ -207,21 +206,24 @@ def _eager_hooks():
     return _eager(_pre_hook), _eager(_post_hook)
 
 
-def _check_ignored_params(ignored_params) -> None:
-    """`ignored_params` holds parameters: a name, or a lone tensor (iterated by rows), would
-    leave every parameter sharded without a word (torch FSDP2 takes such values silently too)."""
+def _ignored_set(ignored_params) -> set:
+    """`ignored_params` as a set, checked to hold parameters: a name, or a lone tensor
+    (iterated by rows), would leave every parameter sharded without a word (torch FSDP2 takes
+    names silently)."""
     if ignored_params is None:
-        return
+        return set()
     if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
         raise TypeError(
             f"fully_shard: argument 'ignored_params' must be a set of parameters or None, got {type(ignored_params).__name__}"
         )
-    for p in ignored_params:
+    ignored = set(ignored_params)
+    for p in ignored:
         if not isinstance(p, torch.Tensor):
             raise TypeError(
                 f"fully_shard: argument 'ignored_params' holds {p!r} ({type(p).__name__}), expected the parameters "
                 "themselves (module.weight, not its name)"
             )
+    return ignored
 
 
 def _check_all_gather(policy) -> None:

@@ -203,7 +203,7 @@ def case(name):
             lambda: fs(m, mesh=mesh, ignored_params=m.layers[0].weight),
         )
         assert not any(isinstance(p, DTensor) for p in m.parameters()), "a refused fully_shard must leave the module as it was"
-        fs(m, mesh=mesh, ignored_params=[m.layers[0].weight])  # any iterable of parameters, as a set
+        fs(m, mesh=mesh, ignored_params=(p for p in [m.layers[0].weight]))  # any iterable of parameters, as a set
         assert not isinstance(m.layers[0].weight, DTensor) and isinstance(m.layers[1].weight, DTensor)
     elif name == "shard_placement_bad_dim":
         raises_exactly(
