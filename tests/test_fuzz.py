@@ -63,6 +63,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_native import _compat
+
 import dist_utils
 from dist_utils import ctx, full_params, load_impl, ref_impl, run_distributed, run_grid, torch_quantized_values
 
@@ -518,12 +520,23 @@ def split_reduction(spec: Spec) -> bool:
     return twice and spec.accum > 1 and spec.convert == "bf16" and fp32_reduce
 
 
+def unsynced_fp32_sums(spec: Spec) -> bool:
+    """torch 2.15 and later: in a backward without gradient sync, a parameter used several
+    times sums its contributions in the reduce dtype (fp32), in a synced one in bf16
+    (`_compat.GRAD_IN_REDUCE_DTYPE`; fsdp_native does the same in each). "titan" runs every
+    backward without sync, torch's reference flow syncs: a tied embedding and head then differ
+    by a bf16 ulp (seed 8080 on torch 2.15, exact mode; the default tolerance holds)."""
+    return _compat.GRAD_IN_REDUCE_DTYPE and spec.finalize == "titan" and spec.tied and spec.mp != "fp32"
+
+
 def compare(spec: Spec) -> None:
     """Trains `spec` with torch FSDP2 and fsdp_native; raises AssertionError on a difference."""
     mesh = _mesh(spec)
     ref = train(build(ref_impl(), spec, mesh), spec)
     got = train(build(load_impl(), spec, mesh), spec)
-    exact = (spec.mp == "fp32" and spec.convert != "bf16") or (EXACT_BF16 and not split_reduction(spec))
+    exact = (spec.mp == "fp32" and spec.convert != "bf16") or (
+        EXACT_BF16 and not split_reduction(spec) and not unsynced_fp32_sums(spec)
+    )
     assert len(got["losses"]) == len(ref["losses"])
     for i, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         ok = a == b if exact else abs(a - b) <= BF16_TOL["atol"] + BF16_TOL["rtol"] * abs(b)
