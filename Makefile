@@ -119,7 +119,7 @@ RUNTIME_TESTS ?= test_optim_defaults.py test_fully_shard_parity.py test_fully_sh
 	test_fully_shard_example.py test_grouped_units.py test_memory.py test_mixed_dtypes.py test_mp_override.py test_compile.py \
 	test_tensor_parallel.py test_spmd_mesh.py test_amp.py test_ema.py test_module_zoo.py test_training_flows.py \
 	test_activation_checkpointing.py test_pipelining.py test_reset_iter_state.py test_param_dtypes.py test_dataclass_io.py test_output_aliasing.py test_higher_order.py test_func_transforms.py \
-	test_verl_flow.py
+	test_verl_flow.py test_torch_state.py
 # The Hugging Face flows (Trainer, PEFT and bitsandbytes QLoRA, Accelerate, from_pretrained's
 # N-D parallelism, TRL, diffusers) run on the oldest torch too, the one GPU images ship, with
 # the versions pinned above.

@@ -40,10 +40,6 @@ and 2.15, CI builds the CUDA kernels against the newest).
   tensor-parallel parameter with a ``Replicate`` placement, whose gradient may be ``Partial``
   over TP, keeps the wide dtype throughout, so the TP all-reduce of that gradient runs in fp32
   for bf16 compute (before 2.15, in the compute dtype).
-* ``PIPELINING_READS_FSDP_STATE``: before torch 2.15 the stages of
-  ``torch.distributed.pipelining`` reduce FSDP gradients through
-  ``torch.distributed.fsdp.fully_shard.state(module)``; 2.15's call the public
-  ``finalize_backward``. ``fsdp_native._pipelining`` provides that state where it is read.
 """
 from __future__ import annotations
 
@@ -61,7 +57,6 @@ TORCH_VERSION = _version(torch.__version__)
 DTENSOR_SUBCLASS_DISPATCH = TORCH_VERSION >= (2, 12) or TORCH_VERSION < (2, 10)
 REDUCE_IN_ORIG_DTYPE = TORCH_VERSION >= (2, 15)
 GRAD_IN_REDUCE_DTYPE = TORCH_VERSION >= (2, 15)
-PIPELINING_READS_FSDP_STATE = TORCH_VERSION < (2, 15)
 
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"

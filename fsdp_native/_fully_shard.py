@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_native import _compat, _extension, _pipelining, _tp
+from fsdp_native import _compat, _extension, _torch_state, _tp
 from fsdp_native._api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -155,7 +155,7 @@ def fully_shard(
         # is built from them.
         m.register_load_state_dict_pre_hook(lambda mod, *args, units=units: _each(units, Unit.reshard))
         m.register_load_state_dict_post_hook(lambda mod, incompatible, units=units: _each(units, Unit.readopt))
-        _pipelining.register(m, unit)  # torch.distributed.pipelining's stages, before torch 2.15
+        _torch_state.register(m, unit)  # what fully_shard.state(m) and m._get_fsdp_state() return
         cls = type(m)
         if not isinstance(m, FSDPModule):
             new_cls = _CLS_CACHE.get(cls)
@@ -170,6 +170,11 @@ def fully_shard(
                 for u in sub_unit.group:
                     u.fqn = name
     return module
+
+
+# As torch's (a composable API): fully_shard.state(module) is the module's state, None for a
+# module fully_shard did not shard.
+fully_shard.state = _torch_state.state
 
 
 def _each(units, method) -> None:
@@ -778,27 +783,10 @@ class FSDPModule(_TorchFSDPModule):
     def _set_unshard_async_op(self, async_op: bool):
         self._not_implemented("_set_unshard_async_op")
 
-    def _get_fsdp_state(self) -> "_HookState":
-        """What torch's ``register_fsdp_forward_method`` wrapper calls: an object whose
-        ``_pre_forward`` / ``_post_forward`` run this unit's forward hooks."""
-        return _HookState(self._unit)
-
-
-class _HookState:
-    """The part of torch FSDP2's per-module state that torch's own wrappers call."""
-
-    __slots__ = ("unit",)
-
-    def __init__(self, unit: Unit) -> None:
-        self.unit = unit
-
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        new = pre_forward(self.unit, module, args, kwargs)
-        return (args, kwargs) if new is None else new
-
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        res = post_forward(self.unit, module, args, output)
-        return output if res is None else res
+    def _get_fsdp_state(self) -> _torch_state.StateView:
+        """The module's state as torch FSDP2's own code reads it (``register_fsdp_forward_method``,
+        pipeline stages): the same object as ``fully_shard.state(self)``."""
+        return _torch_state.state(self)
 
 
 def _check_comm(comm, where: str) -> None:

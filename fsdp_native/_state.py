@@ -289,7 +289,7 @@ class RootContext:
 
     def finish_all(self) -> None:
         """Every unit's :meth:`finish_unit`, then every reduction completes (a pipeline stage's
-        gradient reduction before torch 2.15: ``fsdp_native._pipelining``)."""
+        gradient reduction before torch 2.15, ``fsdp_native._torch_state``)."""
         if self.in_backward:
             raise RuntimeError("fsdp_native: gradients can be reduced only after backward completes")
         for u in self._order():

@@ -5,8 +5,9 @@ block a unit, the chunk the root), trained by torch's schedules: GPipe, 1F1B, in
 the input and weight gradients as separate backwards).
 
 Before torch 2.15 a stage reduces the gradients through torch FSDP2's internal state
-(``fully_shard.state(module)``), which ``fsdp_native._pipelining`` provides for fsdp_native's
-modules; torch 2.15's stages use ``set_manual_backward_finalization`` / ``finalize_backward``.
+(``fully_shard.state(module)``), which ``fsdp_native._torch_state`` provides for fsdp_native's
+modules; torch 2.15's stages use ``set_manual_backward_finalization`` / ``finalize_backward``,
+and its schedules with ``defer_reduce_grad_wait`` read each stage's ``_get_fsdp_state()._comm_ctx``.
 The losses (last stage) and parameters are torch FSDP2's bit for bit, fp32 and bf16 with fp32
 reduction, and match the same pipeline without FSDP (gradients averaged over dp by hand)
 within 1e-6 in fp32. With fsdp_native's fp8 all-gather for the blocks, they equal torch FSDP2's
@@ -25,6 +26,7 @@ from dist_utils import assert_same_run, full_params, load_impl, ref_impl, run_di
 from models import ResidualMLP
 
 DIM, STEPS, MICRO = 8, 2, 4
+_DEFERS = TORCH_VERSION >= (2, 15)  # the runtime schedules' defer_reduce_grad_wait
 
 
 class Chunk(nn.Module):
@@ -49,11 +51,13 @@ def _loss(out, target):
     return (out.float() - target).pow(2).mean()
 
 
-def _train(impl_name: str | None, schedule: str, bf16: bool, quant: str | None = None) -> dict:
+def _train(impl_name: str | None, schedule: str, bf16: bool, quant: str | None = None, defer: bool = False) -> dict:
     """``impl_name`` None: the same pipeline without FSDP, gradients all-reduced (averaged)
     over dp before each optimizer step. ``quant``: fsdp_native's quantized all-gather of that
     format for the blocks' weights; torch FSDP2 then gets the reference's quantized values put
-    in place after its all-gathers (``dist_utils.torch_quantized_values``)."""
+    in place after its all-gathers (``dist_utils.torch_quantized_values``). ``defer``: torch
+    2.15's ``defer_reduce_grad_wait`` (a stage's gradient reduction waited on before the next
+    one's or at the schedule's end)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -95,7 +99,7 @@ def _train(impl_name: str | None, schedule: str, bf16: bool, quant: str | None =
     if quant and impl_name == "torch":
         blocks = [b for i in mine for b in chunks[i].blocks]
         refresh = torch_quantized_values(blocks, quant, dp.size(), lambda p: p.ndim >= 2)
-    sched = cls(stages if looped else stages[0], MICRO, loss_fn=_loss)
+    sched = cls(stages if looped else stages[0], MICRO, loss_fn=_loss, **({"defer_reduce_grad_wait": True} if defer else {}))
     params = [p for i in mine for p in chunks[i].parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
     gen = torch.Generator().manual_seed(100 + dp.get_local_rank())
@@ -122,12 +126,12 @@ def _train(impl_name: str | None, schedule: str, bf16: bool, quant: str | None =
     return dict(losses=torch.stack(losses) if losses else torch.zeros(0), params=out)
 
 
-def _parity(schedule: str, bf16: bool, quant: str | None = None):
-    ref = _train(ref_impl().name, schedule, bf16, quant)
-    got = _train(load_impl().name, schedule, bf16, quant)
+def _parity(schedule: str, bf16: bool, quant: str | None = None, defer: bool = False):
+    ref = _train(ref_impl().name, schedule, bf16, quant, defer)
+    got = _train(load_impl().name, schedule, bf16, quant, defer)
     assert_same_run(f"{schedule} against torch FSDP2", got, ref)
     if not bf16 and not quant:
-        plain = _train(None, schedule, bf16)
+        plain = _train(None, schedule, bf16, defer=defer)
         assert_same_run(f"{schedule} against the pipeline without FSDP", got, plain, dict(rtol=1e-6, atol=1e-6))
 
 
@@ -139,7 +143,10 @@ def _grid():
             dict(schedule="interleaved", bf16=False),
             dict(schedule="zero_bubble", bf16=True),
             dict(schedule="1f1b", bf16=False, quant="fp8_rowwise"),  # fsdp_native's quantized all-gather
-        ],
+        ]
+        # torch 2.15's deferred waits: the schedule asks each stage's _get_fsdp_state() for its
+        # _comm_ctx first (stages sharing one cannot defer).
+        + ([dict(schedule="interleaved", bf16=True, defer=True)] if _DEFERS else []),
         _parity,
         name="pipelining",
     )
