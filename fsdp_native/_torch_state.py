@@ -13,7 +13,9 @@ of its members:
   (``_fsdp_param_group``, or ``_fsdp_param_groups`` from 2.13), then
   ``state._root_post_backward_final_callback()``;
 * torch 2.15's pipeline schedules with ``defer_reduce_grad_wait``: ``_comm_ctx``, whose
-  identity says which stages share a communication context (``share_comm_ctx``).
+  identity says which stages share a communication context (``share_comm_ctx``);
+* NeMo Automodel's losses and logits: ``lm_head._get_fsdp_state()._mp_policy.param_dtype``, the
+  dtype the head computes in.
 
 :class:`StateView` has those members for an fsdp_native module and runs fsdp_native's own
 hooks and finalization in them: a unit's post-backward reduces what the backwards left (or
@@ -74,6 +76,11 @@ class StateView:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         res = post_forward(self._unit, module, args, output)
         return output if res is None else res
+
+    @property
+    def _mp_policy(self):
+        """The unit's MixedPrecisionPolicy."""
+        return self._unit.mp
 
     @property
     def _fsdp_param_groups(self) -> list[_ParamGroupView]:

@@ -6,7 +6,8 @@ mixin and OLMo-core's pipeline stage turn sync and reshard off for the micro-bat
 turn them on and call ``post_backward()`` on the param group of every state in
 ``state._state_ctx.all_states`` and ``state._root_post_backward_final_callback()`` (NeMo
 Automodel does it for every unit it drives: the root, the embedding, each layer's experts, the
-LM head). So did torch's pipeline stages before 2.15.
+LM head). So did torch's pipeline stages before 2.15. NeMo Automodel's logits and chunked loss
+also read the LM head unit's ``_get_fsdp_state()._mp_policy.param_dtype``.
 
 For an fsdp_native module, torch's ``fully_shard.state`` returned None from torch 2.15 on
 (``'NoneType' object has no attribute '_state_ctx'``), and fsdp_native's ``fully_shard`` had
@@ -173,20 +174,24 @@ def _getters():
     model = CausalLM()
     for layer in model.model.layers:
         impl.fully_shard(layer)
+    impl.fully_shard(model.lm_head, mp_policy=impl.mp(param_dtype=torch.bfloat16))
     impl.fully_shard(model)
+    # NeMo Automodel's logits and chunked loss cast the head's input to this dtype.
+    assert model.lm_head._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16
+    assert model._get_fsdp_state()._mp_policy.param_dtype is None
     for m in (model, model.model.layers[0]):
         state = impl.fully_shard.state(m)
         assert state is not None and isinstance(m, FSDPModule)
         assert torch_fully_shard.state(m) is state and m._get_fsdp_state() is state
     # As torch's: None for a module fully_shard did not shard (here, one inside a unit).
-    assert impl.fully_shard.state(model.lm_head) is None
-    assert torch_fully_shard.state(model.lm_head) is None
+    assert impl.fully_shard.state(model.model.embed_tokens) is None
+    assert torch_fully_shard.state(model.model.embed_tokens) is None
     # Before the first forward no unit has run: nothing to finish.
     assert model._get_fsdp_state()._state_ctx.all_states == []
     model._get_fsdp_state()._root_post_backward_final_callback()
     model(torch.tensor([1, 2])).sum().backward()
     states = model._get_fsdp_state()._state_ctx.all_states
-    assert len(states) == 3 and all(len(s._fsdp_param_groups) == 1 for s in states)
+    assert len(states) == 4 and all(len(s._fsdp_param_groups) == 1 for s in states)
 
 
 def test_state_getters_agree():
