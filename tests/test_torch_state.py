@@ -13,13 +13,17 @@ For an fsdp_native module, torch's ``fully_shard.state`` returned None from torc
 (``'NoneType' object has no attribute '_state_ctx'``), and fsdp_native's ``fully_shard`` had
 no ``state`` at all. Here both libraries' ``fully_shard.state`` and ``_get_fsdp_state()``
 return one object, and NeMo Automodel's flow trains bit for bit as torch FSDP2 with it, and as
-the ordinary flow (gradient sync on the last micro-batch), on every torch.
+the ordinary flow (gradient sync on the last micro-batch), on every torch. (torch 2.15's own
+FSDP2 raises in that flow, at the second final callback; there the reference is torch's run
+with the mixin's public calls.)
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from fsdp_native._compat import TORCH_VERSION
 
 from dist_utils import assert_same_run, full_params, load_impl, ref_impl, run_distributed, run_grid
 
@@ -144,7 +148,12 @@ def _train(impl, cfg: dict) -> dict:
 def _parity(mp: bool, micro: int, getter: str):
     ours, torch_impl = load_impl(), ref_impl()
     got = _train(ours, dict(mp=mp, micro=micro, flow="state", getter=getter))
-    assert_same_run("NeMo Automodel's flow against torch FSDP2's", got, _train(torch_impl, dict(mp=mp, micro=micro, flow="state")))
+    # torch 2.15's FSDP2 fails this flow itself: its final callback, run again after the
+    # backward's own, asserts "Expected manual backward finalization mode to be set". There the
+    # reference is torch's run of the mixin's other path (public calls only).
+    torch_flow = "state" if TORCH_VERSION < (2, 15) else "public"
+    assert_same_run(f"NeMo Automodel's flow against torch FSDP2's {torch_flow} flow", got,
+                    _train(torch_impl, dict(mp=mp, micro=micro, flow=torch_flow)))
     assert_same_run("against the ordinary flow", got, _train(ours, dict(mp=mp, micro=micro, flow="auto")))
     assert_same_run("against the public calls", got, _train(ours, dict(mp=mp, micro=micro, flow="public")))
 
