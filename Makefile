@@ -38,6 +38,12 @@ OLMO_CORE_PACKAGES := ai2-olmo-core==3.0.0 cached-path==1.8.10 dataclass-extensi
 	proto-plus==1.29.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 boto3==1.44.8 botocore==1.44.8 jmespath==1.1.0 \
 	s3transfer==0.19.3 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 OLMO_CORE_SITE := .venv/olmo-core-site
+# NVIDIA NeMo Automodel: its FSDP2 parallelizer and mixture-of-experts mixin
+# (tests/test_nemo_automodel.py). It pins transformers 5.18 and brings Megatron-FSDP and CUDA
+# packages; the modules tested import with .venv's, so the package alone goes into a folder of
+# its own, on the test's ranks' path only.
+NEMO_AUTOMODEL_VERSION ?= 0.7.0
+NEMO_AUTOMODEL_SITE := .venv/nemo-automodel-site
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: venv build test demo bench bench-ops bench-step clean cuda-check
@@ -56,6 +62,8 @@ export OMP_NUM_THREADS ?= 1
 	$(PIP) install -q --no-deps --target $(TORCHTUNE_SITE) torchtune==$(TORCHTUNE_VERSION) $(TORCHTUNE_PACKAGES)
 	rm -rf $(OLMO_CORE_SITE)
 	$(PIP) install -q --no-deps --target $(OLMO_CORE_SITE) $(OLMO_CORE_PACKAGES)
+	rm -rf $(NEMO_AUTOMODEL_SITE)
+	$(PIP) install -q --no-deps --target $(NEMO_AUTOMODEL_SITE) nemo-automodel==$(NEMO_AUTOMODEL_VERSION)
 	# Triton for kernels/ (tested on CPU with TRITON_INTERPRET=1); a CUDA torch brings its own.
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "triton==3.6.*"
 	touch $@
