@@ -68,23 +68,14 @@ def _llama(mp: bool, ac: bool) -> None:
 
 def _moe_run(impl, mp: bool, flow: str) -> dict:
     from nemo_automodel.components.moe import fsdp_mixin
-    from test_torch_state import VOCAB, CausalLM
+    from test_torch_state import VOCAB, CausalLM, shard
 
     class MoECausalLM(CausalLM, fsdp_mixin.MoEFSDPSyncMixin):
         pass
 
     torch.manual_seed(0)
-    model = MoECausalLM()
+    model = shard(impl, MoECausalLM(), mp)
     model.backend = type("Backend", (), {"enable_fsdp_optimizations": True})()
-    kw = dict(mesh=torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),)))
-    if mp:
-        kw["mp_policy"] = impl.mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    impl.fully_shard(model.model.embed_tokens, **kw)
-    for layer in model.model.layers:
-        impl.fully_shard(layer.mlp.experts, **kw)
-        impl.fully_shard(layer, **kw)
-    impl.fully_shard(model.lm_head, **kw)
-    impl.fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     losses = []

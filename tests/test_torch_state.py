@@ -79,6 +79,21 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model(tokens))
 
 
+def shard(impl, model: CausalLM, mp: bool) -> CausalLM:
+    """Units as NeMo Automodel's MoE parallelizer makes them: the embedding, each layer's
+    experts, each layer, the LM head, the root; bf16 with fp32 reduction if `mp`."""
+    kw = dict(mesh=torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),)))
+    if mp:
+        kw["mp_policy"] = impl.mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    impl.fully_shard(model.model.embed_tokens, **kw)
+    for layer in model.model.layers:
+        impl.fully_shard(layer.mlp.experts, **kw)
+        impl.fully_shard(layer, **kw)
+    impl.fully_shard(model.lm_head, **kw)
+    impl.fully_shard(model, **kw)
+    return model
+
+
 def _driven(model: nn.Module) -> list[nn.Module]:
     """The units NeMo Automodel's mixin drives (``_iter_fsdp_modules``)."""
     return [model, model.model.embed_tokens, *(layer.mlp.experts for layer in model.model.layers), model.lm_head]
@@ -98,16 +113,7 @@ def _train(impl, cfg: dict) -> dict:
     callback, for every driven unit, through ``getter``: torch's or the library's
     ``fully_shard.state``)."""
     torch.manual_seed(0)
-    model = CausalLM()
-    kw = dict(mesh=torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),)))
-    if cfg["mp"]:
-        kw["mp_policy"] = impl.mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    impl.fully_shard(model.model.embed_tokens, **kw)
-    for layer in model.model.layers:
-        impl.fully_shard(layer.mlp.experts, **kw)
-        impl.fully_shard(layer, **kw)
-    impl.fully_shard(model.lm_head, **kw)
-    impl.fully_shard(model, **kw)
+    model = shard(impl, CausalLM(), cfg["mp"])
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     getter = torch_fully_shard.state if cfg.get("getter", "torch") == "torch" else impl.fully_shard.state
