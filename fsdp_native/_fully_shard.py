@@ -144,6 +144,7 @@ def fully_shard(
         u.primary = unit
     unit.group = tuple(units)
     pre_hook, post_hook = _eager_hooks()
+    state = _torch_state.StateView(unit)
     for m in modules:
         m._fsdp_native_unit = unit
         m.register_forward_pre_hook(functools.partial(pre_hook, unit), prepend=True, with_kwargs=True)
@@ -155,7 +156,7 @@ def fully_shard(
         # is built from them.
         m.register_load_state_dict_pre_hook(lambda mod, *args, units=units: _each(units, Unit.reshard))
         m.register_load_state_dict_post_hook(lambda mod, incompatible, units=units: _each(units, Unit.readopt))
-        _torch_state.register(m, unit)  # what fully_shard.state(m) and m._get_fsdp_state() return
+        _torch_state.register(m, state)  # what fully_shard.state(m) and m._get_fsdp_state() return
         cls = type(m)
         if not isinstance(m, FSDPModule):
             new_cls = _CLS_CACHE.get(cls)

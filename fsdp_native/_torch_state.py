@@ -114,10 +114,9 @@ class StateView:
             ctx.finish_all()
 
 
-def register(module: nn.Module, unit) -> None:
-    """Makes ``module``'s state (both libraries' ``fully_shard.state``, ``_get_fsdp_state()``) a
-    :class:`StateView` of ``unit``."""
-    view = StateView(unit)
+def register(module: nn.Module, view: StateView) -> None:
+    """Makes ``view`` ``module``'s state (both libraries' ``fully_shard.state``,
+    ``_get_fsdp_state()``); the modules of one ``fully_shard([a, b])`` share one, as in torch."""
     module.__dict__[_ATTR] = view
     key = getattr(_torch_fully_shard, "__wrapped__", None)
     if key is not None:

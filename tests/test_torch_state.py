@@ -198,6 +198,10 @@ def _getters():
         state = impl.fully_shard.state(m)
         assert state is not None and isinstance(m, FSDPModule)
         assert torch_fully_shard.state(m) is state and m._get_fsdp_state() is state
+    # The modules of one fully_shard([a, b]) share one state, as in torch.
+    pair = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    impl.fully_shard([pair[0], pair[1]])
+    assert impl.fully_shard.state(pair[0]) is impl.fully_shard.state(pair[1]) is torch_fully_shard.state(pair[1])
     # As torch's: None for a module fully_shard did not shard (here, one inside a unit).
     assert impl.fully_shard.state(model.model.embed_tokens) is None
     assert torch_fully_shard.state(model.model.embed_tokens) is None
