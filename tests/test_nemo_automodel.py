@@ -4,7 +4,8 @@
   its entry point for Hugging Face models, on a tiny ``LlamaForCausalLM``: a unit per decoder
   layer, the embedding, the LM head and the root, its explicit forward and backward prefetch,
   with and without its activation checkpointing; fp32, and bf16 parameters with fp32
-  reduction. fsdp_native goes where the module imported ``fully_shard`` from torch
+  reduction; on 4 ranks, HSDP (2 replicas of 2 shards) and FSDP x its tensor parallel plan
+  (2 x 2). fsdp_native goes where the module imported ``fully_shard`` from torch
   (``parallelizer.fully_shard``). Unit names, losses and parameters after 3 steps: bit for bit.
 * Its mixture-of-experts mixin (``nemo_automodel/components/moe/fsdp_mixin.py``) on a model
   with the layout it walks (``model.layers[i].mlp.experts`` units): gradient accumulation with
@@ -31,15 +32,19 @@ SITE = framework_site("FSDP_NEMO_AUTOMODEL_SITE", "nemo-automodel-site", "nemo_a
 STEPS = 3
 
 
-def _llama_run(impl, mp: bool, ac: bool) -> dict:
+def _llama_run(impl, mp: bool, ac: bool, mesh_shape: tuple[int, int, int] | None = None) -> dict:
+    """``mesh_shape``: (dp_replicate, dp_shard_cp, tp), NeMo Automodel's mesh; (1, world size, 1)
+    by default."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import nemo_automodel.components.distributed.parallelizer as parallelizer
 
     parallelizer.fully_shard = impl.fully_shard
-    mesh = init_device_mesh("cpu", (1, dist.get_world_size(), 1), mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
+    mesh_shape = mesh_shape or (1, dist.get_world_size(), 1)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
@@ -52,7 +57,10 @@ def _llama_run(impl, mp: bool, ac: bool) -> dict:
     losses = []
     for _ in range(STEPS):
         ids = torch.randint(0, 64, (2, 12), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
+        logits = model(input_ids=ids).logits
+        if isinstance(logits, DTensor):  # tensor parallelism: its plan leaves the logits sharded over tp
+            logits = logits.full_tensor()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()
         losses.append(loss.item())
         opt.step()
@@ -60,10 +68,10 @@ def _llama_run(impl, mp: bool, ac: bool) -> dict:
     return dict(losses=losses, params=full_params(model), units=units)
 
 
-def _llama(mp: bool, ac: bool) -> None:
-    got, ref = _llama_run(load_impl(), mp, ac), _llama_run(ref_impl(), mp, ac)
+def _llama(mp: bool, ac: bool, mesh_shape: tuple[int, int, int] | None = None) -> None:
+    got, ref = _llama_run(load_impl(), mp, ac, mesh_shape), _llama_run(ref_impl(), mp, ac, mesh_shape)
     assert got["units"] == ref["units"] == ["", "lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"], got["units"]
-    assert_same_run(f"fsdp2_strategy_parallelize, mp {mp}, activation checkpointing {ac}", got, ref)
+    assert_same_run(f"fsdp2_strategy_parallelize, mp {mp}, activation checkpointing {ac}, mesh {mesh_shape}", got, ref)
 
 
 def _moe_run(impl, mp: bool, flow: str) -> dict:
@@ -110,3 +118,12 @@ def _grid(site: str) -> None:
 
 def test_nemo_automodel_fsdp2_matches_torch():
     run_distributed(_grid, 2, SITE, timeout=600)
+
+
+def _grid_4(site: str) -> None:
+    sys.path.insert(0, site)
+    run_grid([dict(mp=True, ac=False, mesh_shape=(2, 2, 1)), dict(mp=True, ac=False, mesh_shape=(1, 2, 2))], _llama, name="parallelize")
+
+
+def test_nemo_automodel_hsdp_and_tensor_parallel_match_torch():
+    run_distributed(_grid_4, 4, SITE, timeout=600)
