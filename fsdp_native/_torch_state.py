@@ -52,9 +52,9 @@ class _ParamGroupView:
 
 class _StateCtxView:
     def __init__(self, units) -> None:
-        # One state per fully_shard call: a unit with parameters on several meshes
-        # (ShardPlacementResult) is one state whose param groups are its units.
-        self.all_states = [StateView(u) for u in units if u.primary is None]
+        # The registered states, one per fully_shard call: a unit with parameters on several
+        # meshes (ShardPlacementResult) is one state whose param groups are its units.
+        self.all_states = [state(u.modules[0]) for u in units if u.primary is None]
 
 
 class StateView:
@@ -87,14 +87,14 @@ class StateView:
         return [_ParamGroupView(u) for u in self._unit.group]
 
     @property
-    def _fsdp_param_group(self) -> _ParamGroupView | None:
-        groups = self._fsdp_param_groups
+    def _fsdp_param_group(self) -> _ParamGroupView:
+        groups = self._fsdp_param_groups  # a unit's group holds the unit itself at least
         if len(groups) > 1:
             raise AssertionError(
                 f"unit '{self._unit.fqn}' has {len(groups)} param groups (parameters on several meshes); "
                 "use _fsdp_param_groups"
             )
-        return groups[0] if groups else None
+        return groups[0]
 
     @property
     def _state_ctx(self) -> _StateCtxView:
